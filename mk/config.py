@@ -17,7 +17,10 @@ import os
 from typing import Any, Mapping
 
 
-class ConfigError(ValueError):
+from mk.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
     """A checkpoint config that K3's code cannot run. The message names the key at fault."""
 
 
