@@ -1,0 +1,55 @@
+"""Numerics shared by every sublayer: bf16 rounding, RMSNorm, sigmoid, situ, matmul (spec 1.2)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+ROW_TILE = 8  # matmul LHS rows are padded to the 8-row sublane tile
+
+
+def bf(x: jax.Array) -> jax.Array:
+    """Round to bfloat16 (one rounding, nearest-even)."""
+    return x.astype(BF16)
+
+
+def f32(x: jax.Array) -> jax.Array:
+    return x.astype(F32)
+
+
+def rms(x: jax.Array, gamma: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis in fp32, `x / sqrt(mean(x^2) + eps) * gamma`, cast back to x.dtype."""
+    xf = f32(x)
+    y = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * f32(gamma)
+    return y.astype(x.dtype)
+
+
+def sigmoid(x: jax.Array) -> jax.Array:
+    """Logistic sigmoid evaluated in fp32 (callers round once where the spec says)."""
+    return jax.nn.sigmoid(f32(x))
+
+
+def situ(g: jax.Array, u: jax.Array, beta: float, linear_beta: float) -> jax.Array:
+    """K3's gated activation (spec 1.4.6), in fp32, rounded once to bf16.
+
+    `[beta * tanh(g / beta) * sigmoid(g)] * [linear_beta * tanh(u / linear_beta)]`: SiLU-like for
+    small g, soft-capped at +-beta * sigmoid(g); the up branch soft-capped at +-linear_beta.
+    """
+    g, u = f32(g), f32(u)
+    gate = beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g)
+    up = linear_beta * jnp.tanh(u / linear_beta)
+    return bf(gate * up)
+
+
+def mm(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` for bf16 operands with fp32 accumulation; x [rows, K], w [K, N] -> [rows, N] f32.
+
+    Rows are zero-padded to a multiple of ROW_TILE (as the kernel pads to the MXU tile), which also
+    makes every row's result independent of how many rows share the call.
+    """
+    rows = x.shape[0]
+    padded = -(-rows // ROW_TILE) * ROW_TILE
+    if padded != rows:
+        x = jnp.pad(x, ((0, padded - rows), (0, 0)))
+    return jnp.dot(x, w, preferred_element_type=F32)[:rows]

@@ -1,0 +1,51 @@
+"""K3's latent mixture of experts (spec 1.4.5), layers 1..L-1.
+
+Routing: sigmoid scores; the correction bias only chooses WHICH experts (top-k of score + bias,
+ties to the lowest id); weights are the un-biased scores renormalised over the chosen ones.
+Routed experts run in a latent space of width Lt: down-project, experts, weighted sum (in
+ascending expert id, the kernel's order), latent RMSNorm after the sum, up-project.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mk.config import K3Config
+from mk.layers.common import F32, bf, f32, mm, rms, sigmoid, situ
+
+
+def route(m, router, bias, top_k: int):
+    """m [B, d] bf16, router [d, E] bf16, bias [E] f32 ->
+    (ids [B, k] int32 ascending, weights [B, k] f32 summing to 1)."""
+    s = sigmoid(mm(m, router))                                   # [B, E] f32
+    _, ids = jax.lax.top_k(s + bias[None], top_k)                # ties -> lowest id
+    ids = jnp.sort(ids, axis=-1).astype(jnp.int32)
+    chosen = jnp.take_along_axis(s, ids, axis=-1)
+    return ids, chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+
+
+def expert(l, w1, w3, w2, cfg: K3Config):
+    """One routed expert on latent rows: l [R, Lt] bf16, w1/w3 [Lt, Fe], w2 [Fe, Lt] -> [R, Lt] bf16."""
+    h = situ(bf(mm(l, w1)), bf(mm(l, w3)), cfg.situ_beta, cfg.situ_linear_beta)
+    return bf(mm(h, w2))
+
+
+def moe(m, w: dict, cfg: K3Config):
+    """One MoE layer. m [B, d] bf16; w holds this layer's slice of params['moe'] -> z [B, d] bf16."""
+    ids, weights = route(m, w["router"], w["router_bias"], cfg.top_k)
+    latent = bf(mm(m, w["latent_down"]))                         # [B, Lt]
+
+    def row(l, row_ids, row_w):                                  # one row, its k experts in id order
+        acc = jnp.zeros((l.shape[-1],), F32)
+        for j in range(cfg.top_k):
+            e = row_ids[j]
+            out = expert(l[None], w["w1"][e], w["w3"][e], w["w2"][e], cfg)[0]
+            acc = acc + row_w[j] * f32(out)
+        return acc
+
+    r_sum = bf(jax.vmap(row)(latent, ids, weights))
+    r_n = rms(r_sum, w["latent_norm"], cfg.eps)
+    z_routed = mm(r_n, w["latent_up"])
+    h = situ(bf(mm(m, w["shared_gate"])), bf(mm(m, w["shared_up"])), cfg.situ_beta, cfg.situ_linear_beta)
+    z_shared = mm(h, w["shared_down"])
+    return bf(z_routed + z_shared)
