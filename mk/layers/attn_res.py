@@ -15,21 +15,36 @@ import jax.numpy as jnp
 from mk.layers.common import bf, f32
 
 
-def mix(p: jax.Array, blocks: Sequence[jax.Array], w: jax.Array, eps: float) -> jax.Array:
-    """Softmax mixture over candidates (b_0, ..., b_{n-1}, p).
+def mix_candidates(cands: Sequence[jax.Array], w: jax.Array, eps: float,
+                   valid: Sequence[jax.Array | bool] | None = None) -> jax.Array:
+    """Softmax mixture of candidate rows, fp32 in, bf16 out.
 
-    p [B, d] bf16; blocks: n arrays [B, d] (bf16-valued); w [d] f32 -> [B, d] bf16.
-    Scores `s_j = (w . v_j) / sqrt(mean(v_j^2) + eps)` in fp32; the weighted sum runs in candidate
-    order; one rounding to bf16 at the end.
+    cands: n arrays [B, d] f32; w [d] or [1, d] f32; valid: optional per-candidate flags (a
+    masked candidate gets weight exactly 0, so the kernel can pass a fixed number of snapshot
+    slots). Scores `s_j = (w . v_j) / sqrt(mean(v_j^2) + eps)`; the softmax and the weighted sum
+    run sequentially in candidate order, so any implementation that keeps the order agrees bit
+    for bit.
     """
-    cands = [f32(b) for b in blocks] + [f32(p)]
-    if len(cands) == 1:
-        return bf(cands[0])
-    wf = f32(w)
-    scores = [jnp.sum(v * wf, axis=-1) / jnp.sqrt(jnp.mean(v * v, axis=-1) + eps) for v in cands]
-    s = jnp.stack(scores, axis=-1)                       # [B, n+1]
-    alpha = jax.nn.softmax(s, axis=-1)
-    out = alpha[:, 0:1] * cands[0]
-    for j in range(1, len(cands)):
-        out = out + alpha[:, j:j + 1] * cands[j]
+    wf = f32(w).reshape(1, -1)
+    scores = []
+    for j, v in enumerate(cands):
+        s = jnp.sum(v * wf, axis=-1, keepdims=True) / jnp.sqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+        if valid is not None:
+            s = jnp.where(valid[j], s, -jnp.inf)
+        scores.append(s)                                            # [B, 1]
+    top = scores[0]
+    for s in scores[1:]:
+        top = jnp.maximum(top, s)
+    e = [jnp.exp(s - top) for s in scores]
+    denom = e[0]
+    for x in e[1:]:
+        denom = denom + x
+    out = (e[0] / denom) * cands[0]
+    for x, v in zip(e[1:], cands[1:]):
+        out = out + (x / denom) * v
     return bf(out)
+
+
+def mix(p: jax.Array, blocks: Sequence[jax.Array], w: jax.Array, eps: float) -> jax.Array:
+    """Mix(p, b_0..b_{n-1}; w): candidates (b_0, ..., b_{n-1}, p), p [B, d] bf16 -> [B, d] bf16."""
+    return mix_candidates([f32(b) for b in blocks] + [f32(p)], w, eps)

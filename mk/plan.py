@@ -1,0 +1,629 @@
+"""The decode step's schedule, written once: which weight tile moves when, where it lands, who uses it.
+
+A `Plan` is computed on the host from (config, batch, prefetch depth, tile shape, slot count, VMEM
+limit, chip). The megakernel (`mk.kernel`) executes it and the performance model (`mk.sim`)
+replays it, so the two can never disagree about the schedule.
+
+The weight stream
+-----------------
+Every dense matrix of the step (attention projections, router, latent and shared projections,
+layer 0's dense MLP, the LM head) is cut into tiles of one shape `[tile_k, tile_n]` (bf16), laid
+out once at load time in the order the kernel consumes them (`pack_weights`): for each matrix,
+column block by column block, and inside a column block, row block by row block. Matrices that
+read the same activation are fused side by side (KDA's q|k|v|g|b, MLA's q_a|kv_a|g, the MoE's
+latent_down|shared_gate|shared_up), each part starting on a 128-lane boundary.
+
+The tiles flow through a ring of `num_slots` VMEM slots. Before the kernel consumes tile c it
+makes sure tiles c .. c + prefetch_depth have been issued (slot = issue count mod num_slots), so
+`prefetch_depth` tiles are always in flight, *across layer boundaries*: the next layer's first
+projections arrive while this layer's MoE computes. Depth 0 fetches each tile only when its
+consumer starts: the no-overlap baseline of a conventional one-kernel-per-layer program.
+
+Routed experts join the same ring: a MoE layer's stream is
+    [router | latent_down+shared | shared_down] [expert tiles: each distinct chosen expert, ascending id] [latent_up]
+The expert segment's length is known only once the router has run, so the issue cursor waits at
+its start until routing is done (the kernel keeps the shared-expert tiles before it, so the ring
+stays busy while routing). Each distinct expert is fetched once per step for the whole batch.
+
+Per-layer small vectors (norms, folded AttnRes queries, KDA conv taps/decay, router bias, latent
+norm) travel as one `[rows, width]` f32 table per layer, double-buffered one layer ahead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+
+from mk.config import K3Config
+from mk.errors import UserError
+
+MiB = 1 << 20
+BF16_BYTES = 2
+
+
+class PlanError(UserError, ValueError):
+    """A plan that cannot run: bad parameter, or its VMEM budget exceeds the limit."""
+
+
+# VMEM capacity per TensorCore (bytes) of the chips we compile for.
+VMEM_BYTES = {"v5e": 128 * MiB, "v5p": 96 * MiB, "v6e": 128 * MiB, "tpu7x": 64 * MiB, "cpu": 64 * MiB}
+# Default scoped VMEM limit we ask Mosaic for: what the K3 kernel uses on TPU v7.
+DEFAULT_VMEM_LIMIT = 64 * MiB
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """VMEM bytes of an array after Mosaic pads its two minor dims to the native tile
+    ([8, 128] for 32-bit, [16, 128] for 16-bit, [32, 128] for 8-bit types)."""
+    shape = tuple(shape)
+    if len(shape) == 1:
+        shape = (1,) + shape
+    sublanes = {4: 8, 2: 16, 1: 32}[itemsize]
+    lead = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+    return lead * round_up(shape[-2], sublanes) * round_up(shape[-1], 128) * itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# What gets streamed
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One checkpoint matrix placed into a (possibly fused) streamed matrix.
+
+    `source` is the params path (family, key); columns land at `offset` (a multiple of 128).
+    `head_pad`: (heads, src width, dst width) when each head's columns are padded (MLA q_b).
+    """
+    source: tuple[str, str]
+    offset: int
+    width: int
+    head_pad: tuple[int, int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Matrix:
+    """A weight matrix as the kernel streams it: [k, n] (zero-padded) in [tile_k, tile_n] tiles."""
+    name: str
+    k: int                   # contraction rows actually used
+    n: int                   # output columns (fused, lane-padded)
+    parts: tuple[Part, ...]
+    tile_k: int
+    tile_n: int
+
+    @property
+    def k_tiles(self) -> int:
+        return -(-self.k // self.tile_k)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n // self.tile_n)
+
+    @property
+    def tiles(self) -> int:
+        return self.k_tiles * self.n_tiles
+
+    @property
+    def k_pad(self) -> int:
+        return self.k_tiles * self.tile_k
+
+    @property
+    def n_pad(self) -> int:
+        return self.n_tiles * self.tile_n
+
+    def part(self, key: str) -> Part:
+        for p in self.parts:
+            if p.source[1] == key:
+                return p
+        raise KeyError(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStream:
+    """The weight stream of one layer (index `layers` = the LM head): `pre`, experts, `post`."""
+    layer: int
+    kind: str                          # 'kda+dense' | 'kda+moe' | 'mla+moe' | 'head'
+    pre: tuple[Matrix, ...]
+    post: tuple[Matrix, ...]
+    dense_base: int                    # index of this layer's first tile in the packed array
+
+    @property
+    def has_experts(self) -> bool:
+        return self.kind.endswith("moe")
+
+    @property
+    def pre_tiles(self) -> int:
+        return sum(m.tiles for m in self.pre)
+
+    @property
+    def post_tiles(self) -> int:
+        return sum(m.tiles for m in self.post)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one step is split over devices; the plan describes ONE device's share.
+
+    tp_attn: attention heads, dense/shared FFN width, latent_down and vocab split this many ways;
+    ep x tp_expert: routed experts split over `ep` groups, each expert's FFN width over
+    `tp_expert`. The seed's system (spec 3.2): 16 chips x 2 cores, tp_attn 32, ep 8, tp_expert 4.
+    The kernel itself runs the single-device layout.
+    """
+    chips: int = 1
+    cores_per_chip: int = 1
+    tp_attn: int = 1
+    ep: int = 1
+    tp_expert: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.cores_per_chip
+
+    @property
+    def single(self) -> bool:
+        return self.devices == 1
+
+
+SEED_TPU7X16 = Layout(chips=16, cores_per_chip=2, tp_attn=32, ep=8, tp_expert=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightDMA:
+    """One weight DMA of the step, in issue order."""
+    index: int
+    layer: int
+    tensor: str
+    tile: int
+    bytes: int
+    slot: int
+    phase: int          # index of the consuming Phase
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One compute phase of the step (a matmul, a vector sublayer, a collective)."""
+    index: int
+    layer: int
+    name: str
+    kind: str                        # 'mxu' | 'vector' | 'collective'
+    flops: int = 0
+    rows: int = 0
+    vector_bytes: int = 0            # VMEM traffic of vector work (elementwise passes)
+    hbm_bytes: int = 0               # non-weight HBM traffic (caches, states)
+    collective_bytes: int = 0
+    collective_phases: int = 0
+    dmas: tuple[int, ...] = ()
+    expert_dmas: int = 0             # routed-expert bytes fetched for this phase (expected value)
+
+
+# Rows of the per-layer vector table. KDA / MLA / MoE rows are unused (zero) in other layers.
+def vector_rows(cfg: K3Config) -> dict[str, int]:
+    names = ["attn_res", "mlp_res", "attn_norm", "ffn_norm"]
+    names += [f"conv{j}_{t}" for j in range(3) for t in range(cfg.conv_size)]
+    names += ["a_log", "dt_bias", "o_norm", "q_a_norm", "kv_a_norm", "router_bias", "latent_norm"]
+    return {n: i for i, n in enumerate(names)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    config: K3Config
+    batch: int
+    prefetch_depth: int
+    num_slots: int
+    tile_k: int
+    tile_n: int
+    vmem_limit: int
+    chip: str
+    ctx: int
+    layout: Layout
+    streams: tuple[LayerStream, ...]      # layers 0..L-1, then the LM head
+    expert_gu: Matrix                     # one expert's fused [w1 | w3]  (latent -> 2 Fe)
+    expert_down: Matrix                   # one expert's w2               (Fe -> latent)
+
+    # ---- shapes the kernel allocates --------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        """Matmul LHS rows: the batch padded to the 8-row sublane tile."""
+        return round_up(self.batch, 8)
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.tile_k * self.tile_n * BF16_BYTES
+
+    @property
+    def dense_tiles(self) -> int:
+        return sum(s.pre_tiles + s.post_tiles for s in self.streams)
+
+    @property
+    def expert_tiles(self) -> int:
+        """Tiles of one routed expert."""
+        return self.expert_gu.tiles + self.expert_down.tiles
+
+    @cached_property
+    def matrices(self) -> tuple[Matrix, ...]:
+        seen = {}
+        for s in self.streams:
+            for m in s.pre + s.post:
+                seen.setdefault(m.name, m)
+        seen[self.expert_gu.name] = self.expert_gu
+        seen[self.expert_down.name] = self.expert_down
+        return tuple(seen.values())
+
+    @property
+    def k_max(self) -> int:
+        return max(m.k_pad for m in self.matrices)
+
+    @property
+    def n_max(self) -> int:
+        return max(m.n_pad for m in self.matrices)
+
+    @property
+    def vector_width(self) -> int:
+        c = self.config
+        return round_up(max(c.dim, c.attn_width, c.q_rank, c.kv_rank, c.experts, c.latent), 128)
+
+    @property
+    def max_distinct_experts(self) -> int:
+        return min(self.config.experts, self.batch * self.config.top_k)
+
+    def expected_distinct_experts(self) -> float:
+        """Expected distinct experts per layer and device if B rows route independently and
+        uniformly: E_local * (1 - (1 - k/E)^B)."""
+        c, lay = self.config, self.layout
+        local = c.experts / lay.ep
+        return local * (1.0 - (1.0 - c.top_k / c.experts) ** self.batch)
+
+    def stream(self, layer: int) -> LayerStream:
+        return self.streams[layer]
+
+    # ---- the scalar tables the kernel reads from SMEM ----------------------------------------
+    def tables(self) -> dict[str, np.ndarray]:
+        c = self.config
+        L = c.layers
+        return {
+            "dense_base": np.array([s.dense_base for s in self.streams], np.int32),
+            "pre_tiles": np.array([s.pre_tiles for s in self.streams], np.int32),
+            "post_tiles": np.array([s.post_tiles for s in self.streams], np.int32),
+            "is_mla": np.array([int(c.is_mla(l)) for l in range(L)], np.int32),
+            "family_index": np.array([c.family_index(l) for l in range(L)], np.int32),
+            "n_attn_blocks": np.array([c.n_attn_blocks(l) for l in range(L)], np.int32),
+            "n_mlp_blocks": np.array([c.n_mlp_blocks(l) for l in range(L)], np.int32),
+        }
+
+    # ---- VMEM budget ---------------------------------------------------------------------------
+    @cached_property
+    def vmem_budget(self) -> dict[str, int]:
+        """Bytes of every VMEM buffer the kernel allocates, tile-padded (see `padded_bytes`)."""
+        c, R = self.config, self.rows
+        H, D = c.heads, c.head_dim
+        nv = len(vector_rows(c))
+        b = {
+            "weight ring": self.num_slots * padded_bytes((self.tile_k, self.tile_n), 2),
+            "matmul input (bf16)": padded_bytes((R, self.k_max), 2),
+            "matmul output (f32)": padded_bytes((R, self.n_max), 4),
+            "residual p + mix + normed (bf16)": 3 * padded_bytes((R, c.dim), 2),
+            "block snapshots (f32)": padded_bytes((c.n_blocks, R, c.dim), 4),
+            "layer vectors x2 (f32)": 2 * padded_bytes((nv, self.vector_width), 4),
+            "KDA state (f32)": self.batch * padded_bytes((H, D, D), 4),
+            "KDA conv state (bf16)": self.batch * padded_bytes((3, c.conv_size - 1, c.attn_width), 2),
+            "KDA features (f32)": 5 * padded_bytes((R, c.attn_width), 4),
+            "MLA K/V block": padded_bytes((H, 128, c.k_cache_dim), 2) + padded_bytes((H, 128, D), 2),
+            "MLA q/k/v (bf16)": 2 * padded_bytes((R, H * c.k_cache_dim), 2) + padded_bytes((R, H * D), 2),
+            "MoE routing (f32)": 3 * padded_bytes((R, round_up(c.experts, 128)), 4),
+            "MoE accumulators (f32)": padded_bytes((R, c.latent), 4) + padded_bytes((R, c.dim), 4),
+            "logits (f32)": padded_bytes((R, self.streams[-1].pre[0].n_pad), 4),
+        }
+        return b
+
+    @property
+    def vmem_planned_bytes(self) -> int:
+        return sum(self.vmem_budget.values())
+
+    def check_vmem(self):
+        used, limit = self.vmem_planned_bytes, self.vmem_limit
+        if used > limit:
+            top = sorted(self.vmem_budget.items(), key=lambda kv: -kv[1])[:4]
+            items = ", ".join(f"{k} {v / MiB:.1f} MiB" for k, v in top)
+            raise PlanError(
+                f"plan needs {used / MiB:.1f} MiB of VMEM but the limit is {limit / MiB:.1f} MiB "
+                f"({self.config_name()} batch={self.batch} prefetch_depth={self.prefetch_depth} "
+                f"num_slots={self.num_slots} tile={self.tile_k}x{self.tile_n}); largest: {items}")
+
+    def config_name(self) -> str:
+        for name, cfg in _presets().items():
+            if cfg == self.config:
+                return name
+        return "custom config"
+
+    # ---- the DMA list and the phases (read by the simulator) ---------------------------------
+    def schedule(self, distinct_experts: Sequence[int] | None = None):
+        """(dmas, phases) of one step. `distinct_experts[l-1]` = distinct experts fetched at MoE
+        layer l (default: the expected value, rounded). Dense tiles are exactly what the kernel
+        issues; expert tiles follow the routing."""
+        c, R = self.config, self.rows
+        if distinct_experts is None:
+            n = max(1, round(self.expected_distinct_experts()))
+            distinct_experts = [n] * c.n_moe
+        dmas: list[WeightDMA] = []
+        phases: list[Phase] = []
+
+        def phase(layer, name, kind, **kw):
+            phases.append(Phase(len(phases), layer, name, kind, rows=R, **kw))
+            return phases[-1].index
+
+        def matmul(layer, m: Matrix, tensor=None, expert_bytes=0):
+            idx = len(phases)
+            ids = []
+            for t in range(m.tiles):
+                ids.append(len(dmas))
+                dmas.append(WeightDMA(len(dmas), layer, tensor or m.name, t, self.tile_bytes,
+                                      len(dmas) % self.num_slots, idx))
+            phase(layer, tensor or m.name, "mxu", flops=2 * R * m.k_pad * m.n_pad, dmas=tuple(ids),
+                  expert_dmas=expert_bytes)
+
+        H, D = c.heads, c.head_dim
+        for s in self.streams:
+            l = s.layer
+            if s.kind == "head":
+                phase(l, "final_mix", "vector", vector_bytes=(c.n_blocks + 2) * R * c.dim * 4)
+                for m in s.pre:
+                    matmul(l, m)
+                continue
+            phase(l, "attn_mix", "vector", vector_bytes=(c.n_attn_blocks(l) + 2) * R * c.dim * 4)
+            for m in s.pre[:self._attn_count(s)]:
+                matmul(l, m)
+            if s.kind.startswith("kda"):
+                state = self.batch * H * D * D * 4
+                phase(l, "kda_recurrence", "vector", vector_bytes=6 * state, hbm_bytes=2 * state)
+            else:
+                cache = self.batch * H * self.ctx * (c.k_cache_dim + D) * 2
+                phase(l, "mla_attention", "vector", vector_bytes=2 * cache, hbm_bytes=cache)
+            phase(l, "mlp_mix", "vector", vector_bytes=(c.n_mlp_blocks(l) + 2) * R * c.dim * 4)
+            rest = s.pre[self._attn_count(s):]
+            for m in rest:
+                matmul(l, m)
+                if m.name == "moe.router":
+                    phase(l, "routing", "vector", vector_bytes=c.top_k * R * round_up(c.experts, 128) * 4)
+            if s.has_experts:
+                n_e = distinct_experts[l - 1]
+                for e in range(n_e):
+                    matmul(l, self.expert_gu, f"expert[{e}].gu", self.expert_gu.tiles * self.tile_bytes)
+                    matmul(l, self.expert_down, f"expert[{e}].down", self.expert_down.tiles * self.tile_bytes)
+            for m in s.post:
+                matmul(l, m)
+        return dmas, phases
+
+    @cached_property
+    def dmas(self) -> list[WeightDMA]:
+        return self.schedule()[0]
+
+    @cached_property
+    def phases(self) -> list[Phase]:
+        return self.schedule()[1]
+
+    def _attn_count(self, s: LayerStream) -> int:
+        """How many of `s.pre` are attention matrices (the rest belong to the channel mixer)."""
+        return sum(1 for m in s.pre if m.name.startswith(("kda.", "mla.")))
+
+    def weight_bytes_per_step(self, distinct_experts=None) -> int:
+        dmas, _ = self.schedule(distinct_experts)
+        return sum(d.bytes for d in dmas)
+
+    def summary(self) -> dict:
+        return {
+            "config": self.config_name(), "batch": self.batch, "prefetch_depth": self.prefetch_depth,
+            "num_slots": self.num_slots, "tile": [self.tile_k, self.tile_n], "chip": self.chip,
+            "dense_tiles": self.dense_tiles, "expert_tiles_per_expert": self.expert_tiles,
+            "vmem_planned_bytes": self.vmem_planned_bytes, "vmem_limit_bytes": self.vmem_limit,
+        }
+
+
+def _presets():
+    from mk.config import PRESETS
+    return PRESETS
+
+
+# --------------------------------------------------------------------------------------------
+# Building a plan
+# --------------------------------------------------------------------------------------------
+def default_tile(cfg: K3Config) -> int:
+    """256 x 256 tiles for small models (few DMAs in interpret mode), 512 x 512 at K3 widths."""
+    return 256 if cfg.dim <= 1024 else 512
+
+
+DEFAULT_PREFETCH_DEPTH = 4
+
+
+def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+              num_slots: int | None = None, tile: int | tuple[int, int] | None = None,
+              vmem_limit: int | None = None, chip: str = "tpu7x", ctx: int = 256,
+              layout: Layout = Layout(), check: bool = True) -> Plan:
+    """Compute the plan; raises PlanError for bad parameters or (if `check`) a VMEM overflow."""
+    if not 1 <= batch <= 8:
+        raise PlanError(f"batch must be in 1..8, found {batch}")
+    if prefetch_depth < 0:
+        raise PlanError(f"prefetch_depth must be >= 0, found {prefetch_depth}")
+    num_slots = prefetch_depth + 1 if num_slots is None else num_slots
+    if num_slots < prefetch_depth + 1:
+        raise PlanError(f"num_slots ({num_slots}) must be at least prefetch_depth + 1 "
+                        f"({prefetch_depth + 1}): a slot is refilled only after its tile is used")
+    tk, tn = (tile, tile) if isinstance(tile, int) else (tile or (default_tile(cfg),) * 2)
+    if tk % 128 or tn % 128 or tk <= 0 or tn <= 0:
+        raise PlanError(f"tile {tk}x{tn}: both sides must be positive multiples of 128")
+    if chip not in VMEM_BYTES:
+        raise PlanError(f"unknown chip {chip!r}: expected one of {sorted(VMEM_BYTES)}")
+    if ctx % 128 or ctx <= 0:
+        raise PlanError(f"ctx must be a positive multiple of 128, found {ctx}")
+    for name in ("tp_attn", "ep", "tp_expert"):
+        if getattr(layout, name) < 1:
+            raise PlanError(f"layout.{name} must be >= 1")
+    vmem_limit = vmem_limit or min(DEFAULT_VMEM_LIMIT, VMEM_BYTES[chip])
+
+    streams = []
+    base = 0
+    for l in range(cfg.layers + 1):
+        kind, pre, post = _layer_matrices(cfg, l, tk, tn, layout)
+        s = LayerStream(l, kind, pre, post, base)
+        base += s.pre_tiles + s.post_tiles
+        streams.append(s)
+    fe = cfg.expert_hidden // layout.tp_expert
+    gu = _matrix("expert.gu", cfg.latent, [(("moe", "w1"), fe), (("moe", "w3"), fe)], tk, tn)
+    down = _matrix("expert.down", fe, [(("moe", "w2"), cfg.latent)], tk, tn)
+    plan = Plan(cfg, batch, prefetch_depth, num_slots, tk, tn, vmem_limit, chip, ctx, layout,
+                tuple(streams), gu, down)
+    if check:
+        plan.check_vmem()
+    return plan
+
+
+def _matrix(name, k, parts, tk, tn, head_pads=None) -> Matrix:
+    placed, off = [], 0
+    for i, (src, width) in enumerate(parts):
+        hp = head_pads.get(src) if head_pads else None
+        placed.append(Part(src, off, width, hp))
+        off += round_up(width, 128)
+    return Matrix(name, k, off, tuple(placed), tk, tn)
+
+
+def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
+    d, D = cfg.dim, cfg.head_dim
+    H = cfg.heads // lay.tp_attn if cfg.heads % lay.tp_attn == 0 else cfg.heads / lay.tp_attn
+    HD = int(H * D)
+    if l == cfg.layers:
+        vocab = cfg.vocab // lay.tp_attn
+        return "head", (_matrix("lm_head", d, [(("lm_head", ""), vocab)], tk, tn),), ()
+    if cfg.is_mla(l):
+        kv_w = cfg.kv_rank + (cfg.k_cache_dim - D)   # k_r padded so [k_nope | k_r | 0] is aligned
+        Hn = int(H)
+        attn = (
+            _matrix("mla.in", d, [(("mla", "q_a"), cfg.q_rank), (("mla", "kv_a"), kv_w), (("mla", "g"), HD)], tk, tn),
+            _matrix("mla.q_b", cfg.q_rank, [(("mla", "q_b"), Hn * cfg.k_cache_dim)], tk, tn,
+                    {("mla", "q_b"): (Hn, cfg.qk_head_dim, cfg.k_cache_dim)}),
+            _matrix("mla.kv_b", cfg.kv_rank, [(("mla", "kv_b"), Hn * 2 * D)], tk, tn),
+            _matrix("mla.o", HD, [(("mla", "o"), d)], tk, tn),
+        )
+        kind = "mla"
+    else:
+        attn = (
+            _matrix("kda.f_a", d, [(("kda", "f_a"), D)], tk, tn),
+            _matrix("kda.f_b", D, [(("kda", "f_b"), HD)], tk, tn),
+            _matrix("kda.in", d, [(("kda", n), HD) for n in "qkvg"] + [(("kda", "b"), int(H))], tk, tn),
+            _matrix("kda.o", HD, [(("kda", "o"), d)], tk, tn),
+        )
+        kind = "kda"
+    if l == 0:
+        F = cfg.dense_hidden // lay.tp_attn
+        mlp = (_matrix("dense.gate_up", d, [(("dense", "gate"), F), (("dense", "up"), F)], tk, tn),
+               _matrix("dense.down", F, [(("dense", "down"), d)], tk, tn))
+        return kind + "+dense", attn + mlp, ()
+    S = cfg.shared_hidden // lay.tp_attn
+    Lt = cfg.latent // lay.tp_attn if lay.tp_attn > 1 else cfg.latent
+    pre = attn + (
+        _matrix("moe.router", d, [(("moe", "router"), cfg.experts)], tk, tn),
+        _matrix("moe.in", d, [(("moe", "latent_down"), Lt), (("moe", "shared_gate"), S),
+                              (("moe", "shared_up"), S)], tk, tn),
+        _matrix("moe.shared_down", S, [(("moe", "shared_down"), d)], tk, tn),
+    )
+    post = (_matrix("moe.latent_up", cfg.latent, [(("moe", "latent_up"), d // max(1, min(lay.tp_attn, 8)))], tk, tn),)
+    return kind + "+moe", pre, post
+
+
+# --------------------------------------------------------------------------------------------
+# Laying the weights out in stream order (host side, once per plan)
+# --------------------------------------------------------------------------------------------
+def _dense_matrix(params: dict, cfg: K3Config, m: Matrix, layer: int) -> np.ndarray:
+    """The [k_pad, n_pad] bf16 (as float32 values) matrix `m` of `layer`, fused and zero padded."""
+    out = np.zeros((m.k_pad, m.n_pad), np.float32)
+    for p in m.parts:
+        fam, key = p.source
+        if fam == "lm_head":
+            w = params["lm_head"]
+        elif fam == "dense":
+            w = params["dense"][key]
+        else:
+            idx = layer - 1 if fam == "moe" else cfg.family_index(layer)
+            w = params[fam][key][idx]
+        w = np.asarray(w, np.float32)
+        if p.head_pad:
+            h, src, dst = p.head_pad
+            w = np.pad(w.reshape(w.shape[0], h, src), ((0, 0), (0, 0), (0, dst - src))).reshape(w.shape[0], h * dst)
+        out[:w.shape[0], p.offset:p.offset + w.shape[1]] = w
+    return out
+
+
+def tile_matrix(w: np.ndarray, tk: int, tn: int) -> np.ndarray:
+    """[k_pad, n_pad] -> [n_tiles * k_tiles, tk, tn], column block major (the stream order)."""
+    kt, nt = w.shape[0] // tk, w.shape[1] // tn
+    return w.reshape(kt, tk, nt, tn).transpose(2, 0, 1, 3).reshape(nt * kt, tk, tn)
+
+
+def pack_weights(plan: Plan, params: dict) -> dict:
+    """Lay the parameters out for the kernel. Returns numpy arrays:
+        tiles    [dense_tiles, tile_k, tile_n]              bf16  every dense tile in stream order
+        experts  [n_moe, E, expert_tiles, tile_k, tile_n]   bf16  each expert's [w1|w3] then w2 tiles
+        vectors  [L + 1, rows, width]                       f32   per-layer vector table (+ globals)
+    """
+    import ml_dtypes
+
+    cfg = plan.config
+    if not plan.layout.single:
+        raise PlanError("pack_weights: the kernel runs the single-device layout only")
+    tiles = []
+    for s in plan.streams:
+        layer = s.layer
+        for m in s.pre + s.post:
+            tiles.append(tile_matrix(_dense_matrix(params, cfg, m, layer), plan.tile_k, plan.tile_n))
+    tiles = np.concatenate(tiles).astype(ml_dtypes.bfloat16)
+    assert tiles.shape[0] == plan.dense_tiles
+
+    E = cfg.experts
+    experts = np.zeros((cfg.n_moe, E, plan.expert_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
+    w1, w3, w2 = (np.asarray(params["moe"][k], np.float32) for k in ("w1", "w3", "w2"))
+    gu, dn = plan.expert_gu, plan.expert_down
+    for i in range(cfg.n_moe):
+        for e in range(E):
+            a = np.zeros((gu.k_pad, gu.n_pad), np.float32)
+            a[:cfg.latent, gu.parts[0].offset:gu.parts[0].offset + cfg.expert_hidden] = w1[i, e]
+            a[:cfg.latent, gu.parts[1].offset:gu.parts[1].offset + cfg.expert_hidden] = w3[i, e]
+            b = np.zeros((dn.k_pad, dn.n_pad), np.float32)
+            b[:cfg.expert_hidden, :cfg.latent] = w2[i, e]
+            experts[i, e] = np.concatenate([tile_matrix(a, plan.tile_k, plan.tile_n),
+                                            tile_matrix(b, plan.tile_k, plan.tile_n)]).astype(ml_dtypes.bfloat16)
+    return {"tiles": tiles, "experts": experts, "vectors": pack_vectors(plan, params)}
+
+
+def pack_vectors(plan: Plan, params: dict) -> np.ndarray:
+    cfg = plan.config
+    rows = vector_rows(cfg)
+    v = np.zeros((cfg.layers + 1, len(rows), plan.vector_width), np.float32)
+
+    def put(l, name, x):
+        x = np.asarray(x, np.float32).reshape(-1)
+        v[l, rows[name], :x.size] = x
+
+    for l in range(cfg.layers):
+        for key in ("attn_res", "mlp_res", "attn_norm", "ffn_norm"):
+            put(l, key, params["layer"][key][l])
+        i = cfg.family_index(l)
+        if cfg.is_mla(l):
+            put(l, "q_a_norm", params["mla"]["q_a_norm"][i])
+            put(l, "kv_a_norm", params["mla"]["kv_a_norm"][i])
+        else:
+            k = params["kda"]
+            conv = np.asarray(k["conv"][i], np.float32)          # [3, C, HD]
+            for j in range(3):
+                for t in range(cfg.conv_size):
+                    put(l, f"conv{j}_{t}", conv[j, t])
+            put(l, "a_log", np.repeat(np.asarray(k["a_log"][i], np.float32), cfg.head_dim))
+            put(l, "dt_bias", k["dt_bias"][i])
+            put(l, "o_norm", k["o_norm"][i])
+        if l >= 1:
+            put(l, "router_bias", params["moe"]["router_bias"][l - 1])
+            put(l, "latent_norm", params["moe"]["latent_norm"][l - 1])
+    put(cfg.layers, "attn_res", params["output_res"])          # globals live in row set L
+    put(cfg.layers, "attn_norm", params["final_norm"])
+    return v
