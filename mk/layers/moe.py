@@ -16,12 +16,20 @@ from mk.layers.common import F32, bf, f32, mm, rms, sigmoid, situ
 
 def route(m, router, bias, top_k: int):
     """m [B, d] bf16, router [d, E] bf16, bias [E] f32 ->
-    (ids [B, k] int32 ascending, weights [B, k] f32 summing to 1)."""
+    (ids [B, k] int32 ascending, weights [B, k] f32 summing to 1).
+
+    The normaliser sums the chosen scores in selection order (best first), the order an
+    iterative-argmax kernel finds them in.
+    """
     s = sigmoid(mm(m, router))                                   # [B, E] f32
-    _, ids = jax.lax.top_k(s + bias[None], top_k)                # ties -> lowest id
-    ids = jnp.sort(ids, axis=-1).astype(jnp.int32)
+    _, ids = jax.lax.top_k(s + bias[None], top_k)                # best first; ties -> lowest id
     chosen = jnp.take_along_axis(s, ids, axis=-1)
-    return ids, chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+    denom = chosen[:, 0:1]
+    for j in range(1, top_k):
+        denom = denom + chosen[:, j:j + 1]
+    order = jnp.argsort(ids, axis=-1)
+    ids = jnp.take_along_axis(ids, order, axis=-1).astype(jnp.int32)
+    return ids, jnp.take_along_axis(chosen, order, axis=-1) / denom
 
 
 def expert(l, w1, w3, w2, cfg: K3Config):

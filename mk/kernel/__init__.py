@@ -1,0 +1,62 @@
+"""The K3 decode megakernel: `make_decode_step(plan)` builds one pallas_call per step.
+
+    plan    = mk.plan.make_plan(cfg, batch, prefetch_depth=4)
+    weights = kernel_weights(plan, params)          # params in mk.params layout, packed once
+    step    = make_decode_step(plan)                # jitted; cache donated
+    logits, cache = step(weights, cache, tokens)    # cache as mk.reference.init_cache
+
+On a TPU backend the kernel is compiled by Mosaic; anywhere else it runs in TPU interpret mode.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mk.config import K3Config
+from mk.kernel.decode import KERNEL_NAME, build_call, interpret_params, make_decode_step, on_tpu
+from mk.plan import Plan, make_plan, pack_weights
+
+__all__ = ["KERNEL_NAME", "build_call", "interpret_params", "make_decode_step", "kernel_weights",
+           "make_step_fn", "teacher_forced_logits", "make_plan", "on_tpu"]
+
+
+def kernel_weights(plan: Plan, params: dict) -> dict:
+    """Device arrays the kernel reads: packed tiles, experts, vector tables, the embedding."""
+    packed = pack_weights(plan, params)
+    out = {k: jnp.asarray(v) for k, v in packed.items()}
+    out["embed"] = jnp.asarray(params["embed"])
+    return out
+
+
+def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int | None = None,
+                 ctx: int = 256, interpret=None, **plan_kw):
+    """A `step_fn(params, cache, tokens) -> (logits, cache)` backed by the kernel (the `params`
+    argument is ignored: weights are packed once here), for `mk.reference.generate`."""
+    kw = dict(plan_kw)
+    if prefetch_depth is not None:
+        kw["prefetch_depth"] = prefetch_depth
+    plan = make_plan(cfg, batch, ctx=ctx, **kw)
+    weights = kernel_weights(plan, params)
+    step = make_decode_step(plan, interpret)
+
+    def step_fn(_params, cache, tokens):
+        return step(weights, cache, jnp.asarray(tokens, jnp.int32))
+
+    step_fn.plan = plan
+    return step_fn
+
+
+def teacher_forced_logits(params: dict, cfg: K3Config, tokens, ctx: int | None = None, **kw) -> np.ndarray:
+    """tokens [T] as one row from position 0 -> float32 logits [T, V], via the kernel."""
+    from mk.reference import DEFAULT_CTX, init_cache
+
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    ctx = ctx or max(DEFAULT_CTX, -(-tokens.size // 128) * 128)
+    step_fn = make_step_fn(params, cfg, 1, ctx=ctx, **kw)
+    cache = init_cache(cfg, 1, ctx)
+    rows = []
+    for t in tokens:
+        logits, cache = step_fn(None, cache, jnp.asarray([t]))
+        rows.append(np.asarray(logits[0], np.float32))
+    return np.stack(rows)

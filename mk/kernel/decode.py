@@ -1,0 +1,206 @@
+"""One K3 decode step = one grid-less `pallas_call` for all layers.
+
+Everything lives in HBM (`memory_space=ANY`) and moves by explicit DMA: the packed weight tiles
+(mk.plan), the routed experts, the per-layer vector tables, the embedding rows, the KDA states
+and MLA caches (aliased in place to the outputs). Inside, the layers run in a runtime
+`fori_loop`, so the program does not grow with depth; KDA vs MLA and dense MLP vs MoE are
+`lax.cond` branches. The embedding lookup, the final mix, norm and LM head are inside the kernel
+too: the step is this single call plus two trivial XLA ops (slice of the padded logits, pos + 1).
+
+The whole step, in one screen:
+
+    embed tokens -> p;                       b_0 <- p at layer 0
+    for l in layers:                         (runtime loop)
+        x = Mix(p, b_0..; attn_res[l]);      if l % R == 0: b_{l/R} <- p
+        y = KDA(rms(x)) or MLA(rms(x));      p = y if l % R == 0 else p + y
+        x = Mix(p, b_0..; mlp_res[l])
+        p = p + (DenseMLP(rms(x)) if l == 0 else MoE(rms(x)))
+    logits = rms(Mix(p, b_0..; output_res)) @ lm_head
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.config import K3Config
+from mk.kernel import refs as refs_mod
+from mk.kernel.attn_res import mix
+from mk.kernel.dense_mlp import dense_mlp
+from mk.kernel.kda import kda
+from mk.kernel.mla import mla
+from mk.kernel.moe import moe
+from mk.kernel.ring import WeightRing
+from mk.layers.common import bf, f32, rms
+from mk.plan import Plan, vector_rows
+
+KERNEL_NAME = "k3_decode_step"
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What every sublayer of the kernel needs: the plan, the refs, the ring, the layer's vectors."""
+    cfg: K3Config
+    plan: Plan
+    refs: refs_mod.Refs
+    ring: WeightRing
+    vector_slot: object = 0
+
+    def vec(self, name: str, width: int) -> jax.Array:
+        """Row `name` of the current layer's vector table: [1, width] f32."""
+        row = vector_rows(self.cfg)[name]
+        return self.refs.vectors[self.vector_slot, pl.ds(row, 1), pl.ds(0, width)]
+
+    def vector_copy(self, layer):
+        slot = layer % 2
+        r = self.refs
+        return pltpu.make_async_copy(r.vectors_hbm.at[layer], r.vectors.at[slot], r.vector_sems.at[slot])
+
+
+def _embed(k: StepContext):
+    """p <- embedding rows of the step's tokens (padded rows 0)."""
+    r, B, R = k.refs, k.plan.batch, k.plan.rows
+    copies = [pltpu.make_async_copy(r.embed.at[pl.ds(r.tokens[b], 1)], r.embed_rows.at[b], r.embed_sems.at[b])
+              for b in range(B)]
+    for c in copies:
+        c.start()
+    for c in copies:
+        c.wait()
+    rows = [f32(r.embed_rows[b]) for b in range(B)]
+    if R > B:
+        rows.append(jnp.zeros((R - B, k.cfg.dim), jnp.float32))
+    r.p[...] = bf(jnp.concatenate(rows, axis=0))
+
+
+def _zero_scratch(r):
+    r.blocks[...] = jnp.zeros(r.blocks.shape, jnp.float32)
+    r.attn_out[...] = jnp.zeros(r.attn_out.shape, r.attn_out.dtype)
+    r.kda_feat[...] = jnp.zeros(r.kda_feat.shape, jnp.float32)
+
+
+def decode_kernel(plan: Plan):
+    cfg = plan.config
+    d, R_blk, L, eps = cfg.dim, cfg.residual_block, cfg.layers, cfg.eps
+
+    def kernel(*args):
+        r = refs_mod.Refs(plan, args)
+        ring = WeightRing(plan, r.tables, r.tiles, r.experts, r.slots, r.slot_sems, r.ring_state,
+                          r.distinct, r.xbuf, r.ybuf)
+        k = StepContext(cfg, plan, r, ring)
+        with jax.named_scope("step_init"):
+            ring.reset()
+            _zero_scratch(r)
+            k.vector_copy(0).start()
+            _embed(k)
+
+        def layer(l, carry):
+            k.vector_slot = l % 2
+            k.vector_copy(l).wait()
+            k.vector_copy(l + 1).start()                 # the next layer's (or the head's) vectors
+            p = r.p[...]
+            starts_block = l % R_blk == 0
+            with jax.named_scope("attn_res_mix"):
+                x = mix(p, r.blocks, r.n_attn_blocks[l], k.vec("attn_res", d), eps)
+
+            @pl.when(starts_block)
+            def _snapshot():
+                r.blocks[l // R_blk] = f32(p)
+
+            a = rms(x, k.vec("attn_norm", d), eps)
+            i = r.family_index[l]
+            if cfg.n_mla:
+                y = jax.lax.cond(r.is_mla[l] == 1, lambda: mla(k, a, i), lambda: kda(k, a, i))
+            else:
+                y = kda(k, a, i)
+            p = jnp.where(starts_block, y, bf(p + y))
+            with jax.named_scope("mlp_res_mix"):
+                x = mix(p, r.blocks, r.n_mlp_blocks[l], k.vec("mlp_res", d), eps)
+            m = rms(x, k.vec("ffn_norm", d), eps)
+            z = jax.lax.cond(l == 0, lambda: dense_mlp(k, m), lambda: moe(k, m, l))
+            r.p[...] = bf(p + z)
+            return carry
+
+        jax.lax.fori_loop(0, L, layer, 0)
+
+        with jax.named_scope("lm_head"):
+            k.vector_slot = L % 2
+            k.vector_copy(L).wait()
+            h = mix(r.p[...], r.blocks, cfg.n_blocks, k.vec("attn_res", d), eps)   # row set L: output_res
+            normed = rms(h, k.vec("attn_norm", d), eps)                             # ... and final_norm
+            r.logits[...] = ring.matmul(normed, plan.stream(L).pre[0])
+
+    return kernel
+
+
+def interpret_params(detect_races: bool = False, dma_execution_mode: str = "on_wait"):
+    """TPU interpret mode on CPU (HBM/VMEM, DMAs and semaphores simulated; NaN-filled memory)."""
+    return pltpu.InterpretParams(detect_races=detect_races, dma_execution_mode=dma_execution_mode,
+                                 uninitialized_memory="nan")
+
+
+def on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
+def build_call(plan: Plan, interpret=None):
+    """The pallas_call for one step. `interpret`: InterpretParams, False (compile for TPU), or None
+    (compile on a TPU backend, interpret elsewhere)."""
+    cfg = plan.config
+    if interpret is None:
+        interpret = False if on_tpu() else interpret_params()
+    n_prefetch = 2 + len(refs_mod.TABLES)
+    B, R = plan.batch, plan.rows
+    logits_cols = plan.stream(cfg.layers).pre[0].n
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    n_in = len(refs_mod.INPUTS)
+    # inputs 4..7 (states and caches) alias outputs 1..4; indices count the scalar-prefetch args.
+    aliases = {n_prefetch + 4 + j: 1 + j for j in range(4)}
+
+    def out_shapes(states):
+        return [jax.ShapeDtypeStruct((R, logits_cols), jnp.float32)] + [
+            jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states]
+
+    def call(scalars, inputs):
+        states = inputs[4:]
+        return pl.pallas_call(
+            decode_kernel(plan),
+            out_shape=out_shapes(states),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=n_prefetch, grid=(),
+                in_specs=[any_spec] * n_in,
+                out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] + [any_spec] * 4,
+                scratch_shapes=refs_mod.scratch_shapes(plan)),
+            input_output_aliases=aliases,
+            compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit, has_side_effects=False),
+            interpret=interpret,
+            name=KERNEL_NAME,
+        )(*scalars, *inputs)
+
+    return call
+
+
+def make_decode_step(plan: Plan, interpret=None):
+    """step(weights, cache, tokens) -> (logits [B, V] f32, new cache); one pallas_call.
+
+    weights: `kernel_weights(plan, params)`; cache: as `mk.reference.init_cache` (same layout);
+    tokens [B] int32. The cache is donated and updated in place.
+    """
+    cfg = plan.config
+    call = build_call(plan, interpret)
+    tables = plan.tables()
+
+    def step(weights, cache, tokens):
+        scalars = [tokens.astype(jnp.int32), cache["pos"].astype(jnp.int32)] + [
+            jnp.asarray(tables[n]) for n in refs_mod.TABLES]
+        inputs = [weights["embed"], weights["tiles"], weights["experts"], weights["vectors"],
+                  cache["kda_state"], cache["conv_state"], cache["mla_k"], cache["mla_v"]]
+        logits, kda_state, conv_state, mla_k, mla_v = call(scalars, inputs)
+        new_cache = {"pos": cache["pos"] + 1, "kda_state": kda_state, "conv_state": conv_state,
+                     "mla_k": mla_k, "mla_v": mla_v}
+        return logits[:plan.batch, :cfg.vocab], new_cache
+
+    return jax.jit(step, donate_argnums=(1,))

@@ -1,0 +1,117 @@
+"""Kimi Delta Attention in the kernel (spec 1.4.3), for the layer whose KDA index is `i`.
+
+Gate-first order: the small gate path (f_a, f_b) streams in before the fused q|k|v|g|b
+projection. The layer's recurrent and conv states are DMA'd HBM -> VMEM at entry (overlapping
+the projections) and written back in place (the HBM arrays are aliased to the outputs).
+The delta rule runs per (row, head) on a [D, D] fp32 state with elementwise ops, as the
+reference does; column vectors come from `to_column` (an exact identity-mask reduction).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.layers.common import bf, f32, rms, sigmoid
+from mk.layers.kda import QK_NORM_EPS
+
+
+def to_column(row: jax.Array) -> jax.Array:
+    """[1, D] -> [D, 1] exactly: sum over lanes of an identity-masked broadcast."""
+    D = row.shape[-1]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (D, D), 0) == jax.lax.broadcasted_iota(jnp.int32, (D, D), 1)
+    return jnp.sum(jnp.where(eye, jnp.broadcast_to(row, (D, D)), 0.0), axis=1, keepdims=True)
+
+
+def _l2_normalize(x):
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + QK_NORM_EPS)
+
+
+class StateCopies:
+    """DMA descriptors moving layer i's KDA states between HBM and VMEM, one per batch row."""
+
+    def __init__(self, r, i, batch):
+        self.r, self.i, self.batch = r, i, batch
+
+    def _pairs(self):
+        r, i = self.r, self.i
+        for b in range(self.batch):
+            yield (r.kda_state_hbm.at[b, i], r.kda_state.at[b], r.state_sems.at[0, b])
+            yield (r.conv_state_hbm.at[b, i], r.conv_state.at[b], r.state_sems.at[1, b])
+
+    def load(self):
+        return [pltpu.make_async_copy(src, dst, sem) for src, dst, sem in self._pairs()]
+
+    def store(self):
+        return [pltpu.make_async_copy(dst, src, sem) for src, dst, sem in self._pairs()]
+
+
+def kda(k, a, i):
+    """a [R, d] bf16 (normalized input), i: traced KDA index -> y [R, d] bf16."""
+    cfg, r, ring = k.cfg, k.refs, k.ring
+    B, H, D, HD = k.plan.batch, cfg.heads, cfg.head_dim, cfg.attn_width
+    C = cfg.conv_size
+    f_a, f_b, proj, o_proj = k.plan.stream(cfg.kda_layers[0]).pre[:4]
+    copies = StateCopies(r, i, B)
+
+    with jax.named_scope("kda_state_in"):
+        loads = copies.load()
+        for c in loads:
+            c.start()
+    with jax.named_scope("kda_projections"):
+        f = bf(ring.matmul(a, f_a)[:, :D])
+        g_raw = bf(ring.matmul(f, f_b)[:, :HD])
+        y = ring.matmul(a, proj)
+        q_t, k_t, v_t, g_o, b_raw = (bf(y[:, p.offset:p.offset + p.width]) for p in proj.parts)
+        r.beta_raw[...] = bf(y[:, proj.parts[4].offset:proj.parts[4].offset + r.beta_raw.shape[1]])
+    for c in loads:
+        c.wait()
+
+    with jax.named_scope("kda_conv"):
+        for b in range(B):
+            for j, new in enumerate((q_t, k_t, v_t)):
+                history = f32(r.conv_state[b, j])                                       # [C-1, HD]
+                window = [history[t:t + 1] for t in range(C - 1)] + [f32(new[b:b + 1])]  # oldest first
+                acc = window[0] * k.vec(f"conv{j}_0", HD)
+                for t in range(1, C):
+                    acc = acc + window[t] * k.vec(f"conv{j}_{t}", HD)
+                r.kda_feat[j, pl.ds(b, 1)] = f32(bf(acc * jax.nn.sigmoid(acc)))
+                r.conv_state[b, j] = bf(jnp.concatenate(window[1:], axis=0))
+        decay = cfg.gate_lower_bound * sigmoid(jnp.exp(k.vec("a_log", HD)) * (f32(g_raw) + k.vec("dt_bias", HD)))
+        r.kda_feat[3] = decay
+        r.kda_feat[4] = f32(g_o)
+
+    with jax.named_scope("kda_delta_rule"):
+        o_norm = k.vec("o_norm", D)
+        lanes = jax.lax.broadcasted_iota(jnp.int32, (r.beta_raw.shape[1], D), 0)
+        for b in range(B):
+            def head(h, carry, b=b):
+                off = pl.multiple_of(h * D, D)
+                feat = lambda n: r.kda_feat[n, pl.ds(b, 1), pl.ds(off, D)]             # [1, D]
+                q = _l2_normalize(feat(0)) * (D ** -0.5)
+                kk = _l2_normalize(feat(1))
+                v = feat(2)
+                beta = sigmoid(jnp.dot(r.beta_raw[pl.ds(b, 1), :], (lanes == h).astype(jnp.bfloat16),
+                                       preferred_element_type=jnp.float32))              # [1, D]
+                s = to_column(jnp.exp(feat(3))) * r.kda_state[b, h]
+                k_col = to_column(kk)
+                u = beta * (v - jnp.sum(s * k_col, axis=0, keepdims=True))
+                s = s + k_col * u
+                r.kda_state[b, h] = s
+                o = jnp.sum(s * to_column(q), axis=0, keepdims=True)
+                normed = rms(bf(o), o_norm, cfg.eps)
+                gate = bf(sigmoid(bf(feat(4))))
+                r.attn_out[pl.ds(b, 1), pl.ds(off, D)] = bf(f32(normed) * f32(gate))
+                return carry
+            jax.lax.fori_loop(0, H, head, 0)
+
+    with jax.named_scope("kda_state_out"):
+        stores = copies.store()
+        for c in stores:
+            c.start()
+    with jax.named_scope("kda_out_proj"):
+        out = bf(ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])
+    for c in stores:
+        c.wait()
+    return out

@@ -1,0 +1,114 @@
+"""Multi-head latent attention in the kernel (spec 1.4.4), for the layer whose MLA index is `i`.
+
+Projections stream through the ring (fused q_a|kv_a|g, then q_b, then kv_b). Attention walks the
+row's cache in 128-position blocks, DMA'd HBM -> VMEM, with an online softmax. The block that
+holds the row's position gets the new key/value merged in (by position mask) before it is used,
+and is the only block written back: only touched slices move.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.layers.common import bf, f32, rms, sigmoid
+
+BLOCK = 128  # cache positions per DMA block
+
+
+def _block_copies(r, b, i, j):
+    """Descriptors for cache block j of row b, layer i: (K, V) HBM <-> VMEM."""
+    rows = pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK)
+    return ((r.mla_k_hbm.at[b, i, :, rows], r.k_block, r.cache_sems.at[0]),
+            (r.mla_v_hbm.at[b, i, :, rows], r.v_block, r.cache_sems.at[1]))
+
+
+def _attend_row(k, b, i):
+    """Online-softmax attention of row b over positions 0..pos[b]; writes attn_out row b."""
+    cfg, r = k.cfg, k.refs
+    H, D, Kc = cfg.heads, cfg.head_dim, cfg.k_cache_dim
+    pos = r.positions[b]
+    n_blocks = pos // BLOCK + 1
+    r.softmax[0] = jnp.full((H, 1, 128), -jnp.inf, jnp.float32)
+    r.softmax[1] = jnp.zeros((H, 1, 128), jnp.float32)
+    r.softmax_acc[...] = jnp.zeros((H, 1, D), jnp.float32)
+    slot_iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
+
+    def block(j, carry):
+        copies = [pltpu.make_async_copy(*c) for c in _block_copies(r, b, i, j)]
+        for c in copies:
+            c.start()
+        for c in copies:
+            c.wait()
+        here = slot_iota == pos - j * BLOCK                                  # [128, 1]
+        last = j == n_blocks - 1
+
+        @pl.when(last)
+        def _merge_new_token():
+            def merge(h, c):
+                k_new = jnp.concatenate([r.mla_kv[pl.ds(b, 1), pl.ds(pl.multiple_of(h * 2 * D, D), D)],
+                                         r.mla_kr[pl.ds(b, 1), :]], axis=-1)   # [1, Kc]
+                v_new = r.mla_kv[pl.ds(b, 1), pl.ds(pl.multiple_of(h * 2 * D + D, D), D)]
+                r.k_block[h] = jnp.where(here, k_new, r.k_block[h])
+                r.v_block[h] = jnp.where(here, v_new, r.v_block[h])
+                return c
+            jax.lax.fori_loop(0, H, merge, 0)
+
+        valid = j * BLOCK + slot_iota <= pos                                  # [128, 1]
+
+        def head(h, c):
+            q = f32(r.mla_q[pl.ds(b, 1), pl.ds(pl.multiple_of(h * Kc, Kc), Kc)])      # [1, Kc]
+            s = jnp.sum(f32(r.k_block[h]) * q, axis=-1, keepdims=True) * cfg.mla_scale
+            s = jnp.where(valid, s, -jnp.inf)                                 # [128, 1]
+            m_old, l_old = r.softmax[0, h], r.softmax[1, h]                   # [1, 128] lane-bcast
+            m_new = jnp.maximum(m_old, jnp.max(s, axis=0, keepdims=True))
+            p = jnp.exp(s - m_new[:, :1])
+            corr = jnp.exp(m_old - m_new)
+            r.softmax[0, h] = m_new
+            r.softmax[1, h] = l_old * corr + jnp.sum(p, axis=0, keepdims=True)
+            v = jnp.where(valid, f32(r.v_block[h]), 0.0)
+            r.softmax_acc[h] = r.softmax_acc[h] * corr[:, :1] + jnp.sum(p * v, axis=0, keepdims=True)
+            return c
+        jax.lax.fori_loop(0, H, head, 0)
+
+        @pl.when(last)
+        def _write_back():
+            copies = [pltpu.make_async_copy(dst, src, sem) for src, dst, sem in _block_copies(r, b, i, j)]
+            for c in copies:
+                c.start()
+            for c in copies:
+                c.wait()
+        return carry
+
+    jax.lax.fori_loop(0, n_blocks, block, 0)
+
+    def output(h, c):
+        off = pl.multiple_of(h * D, D)
+        o = r.softmax_acc[h] / r.softmax[1, h][:, :1]                          # [1, D]
+        gate = bf(sigmoid(r.mla_gate[pl.ds(b, 1), pl.ds(off, D)]))
+        r.attn_out[pl.ds(b, 1), pl.ds(off, D)] = bf(f32(bf(o)) * f32(gate))
+        return c
+    jax.lax.fori_loop(0, H, output, 0)
+
+
+def mla(k, a, i):
+    """a [R, d] bf16 (normalized input), i: traced MLA index -> y [R, d] bf16."""
+    cfg, r, ring = k.cfg, k.refs, k.ring
+    D = cfg.head_dim
+    proj, q_b, kv_b, o_proj = k.plan.stream(cfg.mla_layers[0]).pre[:4]
+    with jax.named_scope("mla_projections"):
+        y = ring.matmul(a, proj)
+        q_a, kv_a, g = (y[:, p.offset:p.offset + p.width] for p in proj.parts)
+        c_q = rms(bf(q_a), k.vec("q_a_norm", cfg.q_rank), cfg.eps)
+        kva = bf(kv_a)
+        c_kv = rms(kva[:, :cfg.kv_rank], k.vec("kv_a_norm", cfg.kv_rank), cfg.eps)
+        r.mla_kr[...] = kva[:, cfg.kv_rank:cfg.kv_rank + cfg.k_cache_dim - D]   # [k_r | zeros]
+        r.mla_gate[...] = bf(g)
+        r.mla_q[...] = bf(ring.matmul(c_q, q_b)[:, :r.mla_q.shape[1]])
+        r.mla_kv[...] = bf(ring.matmul(c_kv, kv_b)[:, :r.mla_kv.shape[1]])
+    with jax.named_scope("mla_attention"):
+        for b in range(k.plan.batch):
+            _attend_row(k, b, i)
+    with jax.named_scope("mla_out_proj"):
+        return bf(ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])

@@ -1,0 +1,90 @@
+"""K3's latent MoE in the kernel (spec 1.4.5).
+
+Order of the layer's weight stream (see mk.plan): router, then latent_down|shared_gate|shared_up,
+shared_down, then the routed experts, then latent_up. Routing runs right after the router
+matmul and publishes the layer's distinct experts (ascending id, union over the batch rows) to
+the ring, which can then fetch expert tiles while the shared expert still computes. Each distinct
+expert is fetched once and applied to all rows; rows that did not choose it weigh it by exactly 0,
+so each row accumulates its own experts in ascending id order, as the reference does.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mk.layers.common import bf, f32, rms, sigmoid, situ
+
+
+def route(k, scores_raw, bias):
+    """scores_raw [R, E_pad] f32 router logits, bias [1, E_pad] -> (coef [R, E_pad] f32 with the
+    renormalised weights of each row's top-k and 0 elsewhere, chosen-by-any-row mask [1, E_pad])."""
+    cfg, B = k.cfg, k.plan.batch
+    R, E_pad = scores_raw.shape
+    lane = jax.lax.broadcasted_iota(jnp.int32, (R, E_pad), 1)
+    row = jax.lax.broadcasted_iota(jnp.int32, (R, E_pad), 0)
+    s = sigmoid(scores_raw)
+    pick = jnp.where(lane < cfg.experts, s + bias, -jnp.inf)
+    chosen = jnp.zeros((R, E_pad), jnp.bool_)
+    denom = jnp.zeros((R, 1), jnp.float32)
+    for _ in range(cfg.top_k):                       # iterative argmax, ties -> lowest id
+        best = jnp.max(pick, axis=-1, keepdims=True)
+        first = jnp.min(jnp.where(pick == best, lane, E_pad), axis=-1, keepdims=True)
+        hit = lane == first
+        chosen = jnp.logical_or(chosen, hit)
+        denom = denom + jnp.sum(jnp.where(hit, s, 0.0), axis=-1, keepdims=True)   # selection order
+        pick = jnp.where(hit, -jnp.inf, pick)
+    coef = jnp.where(jnp.logical_and(chosen, row < B), s / denom, 0.0)
+    any_row = jnp.max(jnp.where(jnp.logical_and(chosen, row < B), 1, 0), axis=0, keepdims=True)
+    return coef, any_row
+
+
+def publish_distinct(k, layer, any_row):
+    """Write the ascending ids of experts chosen by any row to SMEM and unblock the ring."""
+    r, E = k.refs, k.cfg.experts
+    lane = jax.lax.broadcasted_iota(jnp.int32, any_row.shape, 1)
+
+    def next_id(j, carry):
+        remaining, count = carry
+        e = jnp.min(jnp.where(remaining > 0, lane, E))
+        found = e < E
+        r.distinct[j] = jnp.where(found, e, 0)
+        return jnp.where(lane == e, 0, remaining), count + found.astype(jnp.int32)
+
+    _, count = jax.lax.fori_loop(0, k.plan.max_distinct_experts, next_id, (any_row, jnp.int32(0)))
+    k.ring.publish_routing(layer, count)
+    return count
+
+
+def moe(k, m, layer):
+    """m [R, d] bf16 (normalized input) -> z [R, d] bf16."""
+    cfg, r, ring, plan = k.cfg, k.refs, k.ring, k.plan
+    router, fused_in, shared_down = plan.stream(1).pre[-3:]
+    (latent_up,) = plan.stream(1).post
+    E_pad = router.n
+    with jax.named_scope("moe_routing"):
+        coef, any_row = route(k, ring.matmul(m, router), k.vec("router_bias", E_pad))
+        r.route_coef[...] = coef
+        n_distinct = publish_distinct(k, layer, any_row)
+    with jax.named_scope("moe_shared"):
+        y = ring.matmul(m, fused_in)
+        latent, sg, su = (bf(y[:, p.offset:p.offset + p.width]) for p in fused_in.parts)
+        h = situ(sg, su, cfg.situ_beta, cfg.situ_linear_beta)
+        z_shared = ring.matmul(h, shared_down)[:, :cfg.dim]
+    with jax.named_scope("moe_experts"):
+        gu_m, down_m = plan.expert_gu, plan.expert_down
+        lane = jax.lax.broadcasted_iota(jnp.int32, (plan.rows, E_pad), 1)
+        r.routed_acc[...] = jnp.zeros(r.routed_acc.shape, jnp.float32)
+
+        def expert(j, carry):
+            e = r.distinct[j]
+            gu = ring.matmul(latent, gu_m)
+            g, u = (bf(gu[:, p.offset:p.offset + p.width]) for p in gu_m.parts)
+            out = bf(ring.matmul(situ(g, u, cfg.situ_beta, cfg.situ_linear_beta), down_m)[:, :cfg.latent])
+            weight = jnp.sum(jnp.where(lane == e, r.route_coef[...], 0.0), axis=-1, keepdims=True)
+            r.routed_acc[...] = r.routed_acc[...] + weight * f32(out)
+            return carry
+        jax.lax.fori_loop(0, n_distinct, expert, 0)
+    with jax.named_scope("moe_latent_up"):
+        r_n = rms(bf(r.routed_acc[...]), k.vec("latent_norm", cfg.latent), cfg.eps)
+        z_routed = ring.matmul(r_n, latent_up)[:, :cfg.dim]
+    return bf(z_routed + z_shared)
