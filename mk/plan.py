@@ -285,9 +285,11 @@ class Plan:
         c = self.config
         L = c.layers
         return {
-            "dense_base": np.array([s.dense_base for s in self.streams], np.int32),
-            "pre_tiles": np.array([s.pre_tiles for s in self.streams], np.int32),
-            "post_tiles": np.array([s.post_tiles for s in self.streams], np.int32),
+            # dense tile index where a layer's expert tiles are spliced in (-1: no experts)
+            "expert_at": np.array([s.dense_base + s.pre_tiles if s.has_experts else -1
+                                   for s in self.streams], np.int32),
+            # first dense tile of the next layer: the cursor moves on when it gets there
+            "next_base": np.array([s.dense_base + s.pre_tiles + s.post_tiles for s in self.streams], np.int32),
             "is_mla": np.array([int(c.is_mla(l)) for l in range(L)], np.int32),
             "family_index": np.array([c.family_index(l) for l in range(L)], np.int32),
             "n_attn_blocks": np.array([c.n_attn_blocks(l) for l in range(L)], np.int32),

@@ -88,8 +88,8 @@ def decode_kernel(plan: Plan):
 
     def kernel(*args):
         r = refs_mod.Refs(plan, args)
-        ring = WeightRing(plan, r.tables, r.tiles, r.experts, r.slots, r.slot_sems, r.ring_state,
-                          r.distinct, r.xbuf, r.ybuf)
+        ring = WeightRing(plan, r.tables, r.tiles, r.experts, r.slots, r.slot_sems, r.distinct,
+                          r.xbuf, r.ybuf)
         k = StepContext(cfg, plan, r, ring)
         with jax.named_scope("step_init"):
             ring.reset()
@@ -97,7 +97,7 @@ def decode_kernel(plan: Plan):
             k.vector_copy(0).start()
             _embed(k)
 
-        def layer(l, carry):
+        def layer(l):
             k.vector_slot = l % 2
             k.vector_copy(l).wait()
             k.vector_copy(l + 1).start()                 # the next layer's (or the head's) vectors
@@ -113,18 +113,17 @@ def decode_kernel(plan: Plan):
             a = rms(x, k.vec("attn_norm", d), eps)
             i = r.family_index[l]
             if cfg.n_mla:
-                y = jax.lax.cond(r.is_mla[l] == 1, lambda: mla(k, a, i), lambda: kda(k, a, i))
+                y = ring.cond(r.is_mla[l] == 1, lambda: mla(k, a, i), lambda: kda(k, a, i))
             else:
                 y = kda(k, a, i)
             p = jnp.where(starts_block, y, bf(p + y))
             with jax.named_scope("mlp_res_mix"):
                 x = mix(p, r.blocks, r.n_mlp_blocks[l], k.vec("mlp_res", d), eps)
             m = rms(x, k.vec("ffn_norm", d), eps)
-            z = jax.lax.cond(l == 0, lambda: dense_mlp(k, m), lambda: moe(k, m, l))
+            z = ring.cond(l == 0, lambda: dense_mlp(k, m), lambda: moe(k, m, l))
             r.p[...] = bf(p + z)
-            return carry
 
-        jax.lax.fori_loop(0, L, layer, 0)
+        ring.fori(0, L, layer)
 
         with jax.named_scope("lm_head"):
             k.vector_slot = L % 2

@@ -75,15 +75,14 @@ def moe(k, m, layer):
         lane = jax.lax.broadcasted_iota(jnp.int32, (plan.rows, E_pad), 1)
         r.routed_acc[...] = jnp.zeros(r.routed_acc.shape, jnp.float32)
 
-        def expert(j, carry):
+        def expert(j):
             e = r.distinct[j]
             gu = ring.matmul(latent, gu_m)
             g, u = (bf(gu[:, p.offset:p.offset + p.width]) for p in gu_m.parts)
             out = bf(ring.matmul(situ(g, u, cfg.situ_beta, cfg.situ_linear_beta), down_m)[:, :cfg.latent])
             weight = jnp.sum(jnp.where(lane == e, r.route_coef[...], 0.0), axis=-1, keepdims=True)
             r.routed_acc[...] = r.routed_acc[...] + weight * f32(out)
-            return carry
-        jax.lax.fori_loop(0, n_distinct, expert, 0)
+        ring.fori(0, n_distinct, expert)
     with jax.named_scope("moe_latent_up"):
         r_n = rms(bf(r.routed_acc[...]), k.vec("latent_norm", cfg.latent), cfg.eps)
         z_routed = ring.matmul(r_n, latent_up)[:, :cfg.dim]

@@ -10,7 +10,6 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.kernel.ring import STATE_WORDS
 from mk.plan import Plan, round_up, vector_rows
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -25,7 +24,6 @@ def _scratch(plan: Plan):
         # weight ring
         "slots": VM((plan.num_slots, plan.tile_k, plan.tile_n), BF16),   # [S, TK, TN]
         "slot_sems": DMA((plan.num_slots,)),
-        "ring_state": SM((STATE_WORDS,), jnp.int32),
         "distinct": SM((max(c.experts, 1),), jnp.int32),                 # routed layer's experts
         "xbuf": VM((R, plan.k_max), BF16),                               # matmul input  [R, K]
         "ybuf": VM((R, plan.n_max), F32),                                # matmul output [R, N]
@@ -67,7 +65,7 @@ def scratch_names(plan: Plan) -> list[str]:
     return list(_scratch(plan).keys())
 
 
-TABLES = ("dense_base", "pre_tiles", "post_tiles", "is_mla", "family_index", "n_attn_blocks", "n_mlp_blocks")
+TABLES = ("expert_at", "next_base", "is_mla", "family_index", "n_attn_blocks", "n_mlp_blocks")
 INPUTS = ("embed", "tiles", "experts", "vectors_hbm", "kda_state_in", "conv_state_in", "mla_k_in", "mla_v_in")
 OUTPUTS = ("logits", "kda_state_hbm", "conv_state_hbm", "mla_k_hbm", "mla_v_hbm")
 

@@ -24,99 +24,105 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.plan import Matrix, Plan
 
-# Fields of the ring's SMEM state vector.
-ISSUED, CONSUMED, CUR_LAYER, CUR_POS, ROUTED_LAYER, N_DISTINCT = range(6)
-STATE_WORDS = 8
 
 
 @dataclasses.dataclass
 class WeightRing:
+    """The ring's buffers, plus its counters as traced scalars (`self.c`) threaded through every
+    loop and branch that touches the ring (`fori`, `cond`), so the hot path does no SMEM traffic.
+
+    Counters: issued / consumed tiles; `dense_next`, the next dense tile to issue (the packed array
+    is in stream order); `layer`, the cursor's layer; `expert_pos`, expert tiles issued in that
+    layer; `routed` / `n_distinct`, the last layer whose router published its experts.
+    """
     plan: Plan
-    tables: dict              # SMEM refs: dense_base, pre_tiles, post_tiles  [L + 1] int32
+    tables: dict              # SMEM refs: expert_at, next_base [L + 1] int32
     tiles_hbm: object         # [dense_tiles, tile_k, tile_n] bf16 (HBM)
     experts_hbm: object       # [n_moe, E, expert_tiles, tile_k, tile_n] bf16 (HBM)
     slots: object             # [num_slots, tile_k, tile_n] bf16 (VMEM)
     sems: object              # DMA semaphores [num_slots]
-    state: object             # [STATE_WORDS] int32 (SMEM)
     distinct: object          # [max(E, 1)] int32 (SMEM): distinct experts of the routed layer
     xbuf: object              # [rows, k_max] bf16 (VMEM): matmul input
     ybuf: object              # [rows, n_max] f32 (VMEM): matmul output
+    c: dict = None
+
+    FIELDS = ("issued", "consumed", "dense_next", "layer", "expert_pos", "routed", "n_distinct")
 
     def reset(self):
-        for i in range(STATE_WORDS):
-            self.state[i] = jnp.int32(-1 if i == ROUTED_LAYER else 0)
+        self.c = {f: jnp.int32(-1 if f == "routed" else 0) for f in self.FIELDS}
+
+    # ---- threading the counters through control flow -------------------------------------------
+    def fori(self, lo, hi, body):
+        """`for i in range(lo, hi): body(i)` where body may use the ring."""
+        def step(i, c):
+            self.c = c
+            body(i)
+            return self.c
+        self.c = jax.lax.fori_loop(lo, hi, step, self.c)
+
+    def cond(self, pred, true_fn, false_fn):
+        """`true_fn() if pred else false_fn()` where both may use the ring; returns their value."""
+        c0 = self.c
+
+        def branch(fn):
+            def run():
+                self.c = c0
+                out = fn()
+                return out, self.c
+            return run
+        out, self.c = jax.lax.cond(pred, branch(true_fn), branch(false_fn))
+        return out
 
     # ---- issuing --------------------------------------------------------------------------------
     def _copy(self, src, slot):
         return pltpu.make_async_copy(src, self.slots.at[slot], self.sems.at[slot])
 
-    def _issue_next(self, target):
-        """Issue the tile under the cursor if it is needed (< target), known and exists."""
-        plan, st, t = self.plan, self.state, self.tables
-        L, Te = plan.config.layers, plan.expert_tiles
-        # Step over the end of a finished layer stream.
-        layer, u = st[CUR_LAYER], st[CUR_POS]
-        moe = jnp.logical_and(layer >= 1, layer < L)
-        known = st[ROUTED_LAYER] == layer
-        n_exp = jnp.where(jnp.logical_and(moe, known), st[N_DISTINCT] * Te, 0)
-        pre, post = t["pre_tiles"][layer], t["post_tiles"][layer]
-        layer_done = jnp.logical_and(jnp.logical_or(known, jnp.logical_not(moe)),
-                                     u >= pre + n_exp + post)
+    def _issue_next(self):
+        """Issue the next tile of the stream if its source is known (experts need routing)."""
+        c, t, Te = self.c, self.tables, self.plan.expert_tiles
+        layer = c["layer"]
+        at_experts = c["dense_next"] == t["expert_at"][layer]        # -1 for layers without experts
+        known = c["routed"] == layer
+        expert = at_experts & known & (c["expert_pos"] < c["n_distinct"] * Te)
+        blocked = at_experts & jnp.logical_not(known)
+        dense = jnp.logical_not(expert | blocked) & (c["dense_next"] < self.plan.dense_tiles)
+        slot = c["issued"] % self.plan.num_slots
 
-        @pl.when(jnp.logical_and(layer_done, layer < L))
+        @pl.when(expert)
         def _():
-            st[CUR_LAYER] = layer + 1
-            st[CUR_POS] = 0
+            j = c["expert_pos"]
+            self._copy(self.experts_hbm.at[layer - 1, self.distinct[j // Te], j % Te], slot).start()
 
-        layer, u = st[CUR_LAYER], st[CUR_POS]
-        moe = jnp.logical_and(layer >= 1, layer < L)
-        known = st[ROUTED_LAYER] == layer
-        n_exp = jnp.where(jnp.logical_and(moe, known), st[N_DISTINCT] * Te, 0)
-        pre, post = t["pre_tiles"][layer], t["post_tiles"][layer]
-        in_pre = u < pre
-        in_experts = jnp.logical_and(jnp.logical_and(moe, known), jnp.logical_and(u >= pre, u < pre + n_exp))
-        in_post = jnp.logical_and(jnp.logical_or(known, jnp.logical_not(moe)),
-                                  jnp.logical_and(u >= pre + n_exp, u < pre + n_exp + post))
-        wanted = st[ISSUED] < target
-        slot = st[ISSUED] % plan.num_slots
-
-        @pl.when(jnp.logical_and(wanted, jnp.logical_or(in_pre, in_post)))
+        @pl.when(dense)
         def _():
-            idx = t["dense_base"][layer] + jnp.where(in_pre, u, u - n_exp)
-            self._copy(self.tiles_hbm.at[idx], slot).start()
+            self._copy(self.tiles_hbm.at[c["dense_next"]], slot).start()
 
-        @pl.when(jnp.logical_and(wanted, in_experts))
-        def _():
-            j = u - pre
-            expert = self.distinct[j // Te]
-            self._copy(self.experts_hbm.at[layer - 1, expert, j % Te], slot).start()
-
-        issued = jnp.logical_and(wanted, jnp.logical_or(in_pre, jnp.logical_or(in_post, in_experts)))
-        st[ISSUED] = st[ISSUED] + issued.astype(jnp.int32)
-        st[CUR_POS] = st[CUR_POS] + issued.astype(jnp.int32)
+        dense_next = c["dense_next"] + dense.astype(jnp.int32)
+        next_layer = dense & (dense_next == t["next_base"][layer]) & (layer < self.plan.config.layers)
+        self.c = dict(c, issued=c["issued"] + (expert | dense).astype(jnp.int32), dense_next=dense_next,
+                      layer=jnp.where(next_layer, layer + 1, layer),
+                      expert_pos=jnp.where(next_layer, 0, c["expert_pos"] + expert.astype(jnp.int32)))
 
     def advance(self):
         """Issue until tiles consumed .. consumed + prefetch_depth are in flight (or blocked)."""
-        target = self.state[CONSUMED] + self.plan.prefetch_depth + 1
-        # At most prefetch_depth + 1 tiles are missing; each pass issues at most one.
-        jax.lax.fori_loop(0, self.plan.prefetch_depth + 1, lambda i, c: (self._issue_next(target), c)[1], 0)
+        missing = self.c["consumed"] + self.plan.prefetch_depth + 1 - self.c["issued"]
+        self.fori(0, jnp.maximum(missing, 0), lambda i: self._issue_next())
 
     def publish_routing(self, layer, n_distinct):
-        """The router of `layer` has written its distinct experts to `distinct`: unblock the cursor."""
-        self.state[N_DISTINCT] = n_distinct
-        self.state[ROUTED_LAYER] = layer
+        """The router of `layer` wrote its distinct experts to `distinct`: unblock the cursor."""
+        self.c = dict(self.c, routed=layer, n_distinct=n_distinct)
         self.advance()
 
     # ---- consuming ------------------------------------------------------------------------------
     def take(self):
         """Wait for the next tile in stream order; returns its slot index."""
         self.advance()
-        slot = self.state[CONSUMED] % self.plan.num_slots
+        slot = self.c["consumed"] % self.plan.num_slots
         self._copy(self.tiles_hbm.at[0], slot).wait()
         return slot
 
     def release(self):
-        self.state[CONSUMED] = self.state[CONSUMED] + 1
+        self.c = dict(self.c, consumed=self.c["consumed"] + 1)
 
     def matmul(self, x: jax.Array, m: Matrix) -> jax.Array:
         """x [rows, <= m.k] bf16 @ the streamed matrix m -> [rows, m.n] f32 (fp32 accumulation).
@@ -129,16 +135,17 @@ class WeightRing:
         if m.k_pad > x.shape[1]:
             self.xbuf[:, x.shape[1]:m.k_pad] = jnp.zeros((rows, m.k_pad - x.shape[1]), x.dtype)
 
-        def column(n, carry):
-            def row_block(k, acc):
+        def column(n):
+            def row_block(k, carry):
+                acc, self.c = carry
                 slot = self.take()
                 xk = self.xbuf[:, pl.ds(pl.multiple_of(k * tk, tk), tk)]
                 acc = acc + jnp.dot(xk, self.slots[slot], preferred_element_type=jnp.float32)
                 self.release()
-                return acc
-            acc = jax.lax.fori_loop(0, m.k_tiles, row_block, jnp.zeros((rows, tn), jnp.float32))
+                return acc, self.c
+            acc, self.c = jax.lax.fori_loop(0, m.k_tiles, row_block,
+                                            (jnp.zeros((rows, tn), jnp.float32), self.c))
             self.ybuf[:, pl.ds(pl.multiple_of(n * tn, tn), tn)] = acc
-            return carry
 
-        jax.lax.fori_loop(0, m.n_tiles, column, 0)
+        self.fori(0, m.n_tiles, column)
         return self.ybuf[:, :m.n]
