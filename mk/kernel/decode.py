@@ -61,16 +61,26 @@ class StepContext:
         return pltpu.make_async_copy(r.vectors_hbm.at[layer], r.vectors.at[slot], r.vector_sems.at[slot])
 
 
+EMBED_ROWS = 16  # bf16 sublane tile: embedding rows move in aligned groups of 16
+
+
 def _embed(k: StepContext):
-    """p <- embedding rows of the step's tokens (padded rows 0)."""
+    """p <- embedding rows of the step's tokens (padded rows 0).
+
+    HBM arrays are tiled too, so each token's row is fetched inside its aligned 16-row group and
+    picked out with an exact masked sum.
+    """
     r, B, R = k.refs, k.plan.batch, k.plan.rows
-    copies = [pltpu.make_async_copy(r.embed.at[pl.ds(r.tokens[b], 1)], r.embed_rows.at[b], r.embed_sems.at[b])
-              for b in range(B)]
+    groups = [pl.multiple_of((r.tokens[b] // EMBED_ROWS) * EMBED_ROWS, EMBED_ROWS) for b in range(B)]
+    copies = [pltpu.make_async_copy(r.embed.at[pl.ds(groups[b], EMBED_ROWS)], r.embed_rows.at[b],
+                                    r.embed_sems.at[b]) for b in range(B)]
     for c in copies:
         c.start()
     for c in copies:
         c.wait()
-    rows = [f32(r.embed_rows[b]) for b in range(B)]
+    iota = jax.lax.broadcasted_iota(jnp.int32, (EMBED_ROWS, k.cfg.dim), 0)
+    rows = [jnp.sum(jnp.where(iota == r.tokens[b] % EMBED_ROWS, f32(r.embed_rows[b]), 0.0), axis=0, keepdims=True)
+            for b in range(B)]
     if R > B:
         rows.append(jnp.zeros((R - B, k.cfg.dim), jnp.float32))
     r.p[...] = bf(jnp.concatenate(rows, axis=0))

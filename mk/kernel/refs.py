@@ -30,7 +30,7 @@ def _scratch(plan: Plan):
         # residual state
         "p": VM((R, d), BF16),                                           # prefix since block start
         "blocks": VM((c.n_blocks, R, d), F32),                           # snapshots b_0..b_{n-1}
-        "embed_rows": VM((B, 1, d), BF16),                               # embedding DMA landing
+        "embed_rows": VM((B, 16, d), BF16),                              # embedding row groups
         "embed_sems": DMA((B,)),
         "vectors": VM((2, len(vector_rows(c)), plan.vector_width), F32), # layer tables, 2 parities
         "vector_sems": DMA((2,)),
