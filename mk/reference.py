@@ -24,7 +24,7 @@ import numpy as np
 
 from mk.config import K3Config
 from mk.layers.attn_res import mix
-from mk.layers.common import BF16, F32, bf, mm, rms
+from mk.layers.common import BF16, F32, bf, mm, rms, rows_padded
 from mk.layers.dense_mlp import dense_mlp
 from mk.layers.kda import kda
 from mk.layers.mla import mla
@@ -64,7 +64,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config):
         x = mix(p, blocks[:cfg.n_attn_blocks(l)], lw["attn_res"], cfg.eps)
         if cfg.starts_block(l):
             blocks.append(p)
-        a = rms(x, lw["attn_norm"], cfg.eps)
+        a = rows_padded(rms, x, lw["attn_norm"], cfg.eps)
         i = cfg.family_index(l)
         if cfg.is_mla(l):
             y, k_i, v_i = mla(a, layer_slice(params["mla"], i), mla_k[:, i], mla_v[:, i], pos, cfg)
@@ -74,7 +74,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config):
             kda_state, conv_state = kda_state.at[:, i].set(s_i), conv_state.at[:, i].set(c_i)
         p = y if cfg.starts_block(l) else bf(p + y)
         x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps)
-        m = rms(x, lw["ffn_norm"], cfg.eps)
+        m = rows_padded(rms, x, lw["ffn_norm"], cfg.eps)
         z = dense_mlp(m, params["dense"], cfg) if l == 0 else moe(m, layer_slice(params["moe"], l - 1), cfg)
         p = bf(p + z)
     logits = final_logits(params, p, blocks, cfg)
@@ -85,7 +85,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config):
 def final_logits(params: dict, p, blocks: Sequence[jax.Array], cfg: K3Config):
     """Final AttnRes mix over all snapshots, RMSNorm, LM head in fp32: [B, d] -> [B, V] f32."""
     h = mix(p, blocks, params["output_res"], cfg.eps)
-    return mm(rms(h, params["final_norm"], cfg.eps), params["lm_head"])
+    return mm(rows_padded(rms, h, params["final_norm"], cfg.eps), params["lm_head"])
 
 
 @functools.partial(jax.jit, static_argnames="cfg")

@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from mk.layers.common import bf, f32
+from mk.layers.common import bf, f32, pad_rows
 
 
 def mix_candidates(cands: Sequence[jax.Array], w: jax.Array, eps: float,
@@ -46,5 +46,8 @@ def mix_candidates(cands: Sequence[jax.Array], w: jax.Array, eps: float,
 
 
 def mix(p: jax.Array, blocks: Sequence[jax.Array], w: jax.Array, eps: float) -> jax.Array:
-    """Mix(p, b_0..b_{n-1}; w): candidates (b_0, ..., b_{n-1}, p), p [B, d] bf16 -> [B, d] bf16."""
-    return mix_candidates([f32(b) for b in blocks] + [f32(p)], w, eps)
+    """Mix(p, b_0..b_{n-1}; w): candidates (b_0, ..., b_{n-1}, p), p [B, d] bf16 -> [B, d] bf16.
+
+    Rows are padded to the row tile for the reductions (see `common.rows_padded`)."""
+    cands = [pad_rows(f32(b)) for b in blocks] + [pad_rows(f32(p))]
+    return mix_candidates(cands, w, eps)[:p.shape[0]]

@@ -42,14 +42,31 @@ def situ(g: jax.Array, u: jax.Array, beta: float, linear_beta: float) -> jax.Arr
     return bf(gate * up)
 
 
+def pad_rows(x: jax.Array) -> jax.Array:
+    """x zero-padded along axis 0 (the batch rows) to a multiple of ROW_TILE."""
+    rows = x.shape[0]
+    padded = -(-rows // ROW_TILE) * ROW_TILE
+    if padded == rows:
+        return x
+    return jnp.pad(x, [(0, padded - rows)] + [(0, 0)] * (x.ndim - 1))
+
+
+def rows_padded(fn, x: jax.Array, *args, **kw) -> jax.Array:
+    """`fn(x, ...)` for a row-wise fn, evaluated on `pad_rows(x)` and sliced back to x's rows.
+
+    XLA picks a reduction's summation order from the shape it reduces, so a row-wise reduction
+    (RMSNorm, softmax, L2 norm) over a batch of 4 rows can round differently from the same row
+    alone. With the rows padded to the fixed tile (as `mm` does for matmuls), every batch size up
+    to ROW_TILE reduces the same shape: a row's bits never depend on how many rows share the step.
+    fn must keep an all-zero row finite.
+    """
+    return fn(pad_rows(x), *args, **kw)[:x.shape[0]]
+
+
 def mm(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x @ w` for bf16 operands with fp32 accumulation; x [rows, K], w [K, N] -> [rows, N] f32.
 
     Rows are zero-padded to a multiple of ROW_TILE (as the kernel pads to the MXU tile), which also
     makes every row's result independent of how many rows share the call.
     """
-    rows = x.shape[0]
-    padded = -(-rows // ROW_TILE) * ROW_TILE
-    if padded != rows:
-        x = jnp.pad(x, ((0, padded - rows), (0, 0)))
-    return jnp.dot(x, w, preferred_element_type=F32)[:rows]
+    return jnp.dot(pad_rows(x), w, preferred_element_type=F32)[:x.shape[0]]

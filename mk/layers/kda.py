@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from mk.config import K3Config
-from mk.layers.common import bf, f32, mm, rms, sigmoid
+from mk.layers.common import bf, f32, mm, pad_rows, rms, rows_padded, sigmoid
 
 QK_NORM_EPS = 1e-6  # added to the squared L2 norm of q and k
 
@@ -56,7 +56,7 @@ def delta_rule(state, q, k, v, g, beta):
 
 def output_gate(o: jax.Array, g_o: jax.Array, o_norm: jax.Array, eps: float) -> jax.Array:
     """`bf(RMS_D(bf(o); o_norm)) * bf(sigmoid(g_o))`, rounded: o f32 [B, H, D], g_o bf16 [B, H, D]."""
-    normed = rms(bf(o), o_norm, eps)
+    normed = rows_padded(rms, bf(o), o_norm, eps)
     return bf(f32(normed) * f32(bf(sigmoid(g_o))))
 
 
@@ -74,10 +74,12 @@ def kda(a, w: dict, state, conv_state, cfg: K3Config):
     beta = sigmoid(bf(mm(a, w["b"])))                                         # [B, H]
     window = jnp.concatenate([conv_state, qkv[:, :, None]], axis=2)           # [B, 3, C, HD]
     conv = short_conv(window, w["conv"]).reshape(B, 3, H, D)
-    q = l2_normalize(conv[:, 0]) * (D ** -0.5)
-    k = l2_normalize(conv[:, 1])
+    q = rows_padded(l2_normalize, conv[:, 0]) * (D ** -0.5)
+    k = rows_padded(l2_normalize, conv[:, 1])
     v = f32(conv[:, 2])
     g = decay(g_raw, w["a_log"], w["dt_bias"].reshape(H, D), cfg.gate_lower_bound)
-    o, state = delta_rule(state, q, k, v, g, beta)
+    # rows padded to the row tile: the key-axis sums then reduce one shape for every batch size
+    o, state = delta_rule(*(pad_rows(x) for x in (state, q, k, v, g, beta)))
+    o, state = o[:B], state[:B]
     out = output_gate(o, g_o, w["o_norm"], cfg.eps).reshape(B, H * D)
     return bf(mm(out, w["o"])), state, window[:, :, 1:]

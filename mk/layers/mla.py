@@ -11,16 +11,16 @@ import jax
 import jax.numpy as jnp
 
 from mk.config import K3Config
-from mk.layers.common import bf, f32, mm, rms, sigmoid
+from mk.layers.common import bf, f32, mm, rms, rows_padded, sigmoid
 
 
 def project_qkv(a, w: dict, cfg: K3Config):
     """Query, new key and new value of one token. a [B, d] bf16 ->
     q [B, H, Kc], k [B, H, Kc], v [B, H, D], all bf16 (q and k zero-padded from qk_head_dim to Kc)."""
     B, H, D, Kc = a.shape[0], cfg.heads, cfg.head_dim, cfg.k_cache_dim
-    c_q = rms(bf(mm(a, w["q_a"])), w["q_a_norm"], cfg.eps)
+    c_q = rows_padded(rms, bf(mm(a, w["q_a"])), w["q_a_norm"], cfg.eps)
     kva = bf(mm(a, w["kv_a"]))
-    c_kv = rms(kva[:, :cfg.kv_rank], w["kv_a_norm"], cfg.eps)
+    c_kv = rows_padded(rms, kva[:, :cfg.kv_rank], w["kv_a_norm"], cfg.eps)
     k_r = kva[:, cfg.kv_rank:]                                              # [B, qk_extra], raw
     q = bf(mm(c_q, w["q_b"])).reshape(B, H, cfg.qk_head_dim)
     kv = bf(mm(c_kv, w["kv_b"])).reshape(B, H, 2 * D)
@@ -41,7 +41,7 @@ def attend(q, k_cache, v_cache, pos, scale: float):
     valid = jnp.arange(ctx)[None, :] <= pos[:, None]                        # [B, ctx]
     s = jnp.einsum("bhk,bhtk->bht", f32(q), f32(k_cache), precision="highest") * scale
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    p = rows_padded(jax.nn.softmax, s, axis=-1)
     v = jnp.where(valid[:, None, :, None], f32(v_cache), 0.0)
     return jnp.einsum("bht,bhtd->bhd", p, v, precision="highest")
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from mk.config import K3Config
-from mk.layers.common import F32, bf, f32, mm, rms, sigmoid, situ
+from mk.layers.common import F32, bf, f32, mm, rms, rows_padded, sigmoid, situ
 
 
 def route(m, router, bias, top_k: int):
@@ -52,7 +52,7 @@ def moe(m, w: dict, cfg: K3Config):
         return acc
 
     r_sum = bf(jax.vmap(row)(latent, ids, weights))
-    r_n = rms(r_sum, w["latent_norm"], cfg.eps)
+    r_n = rows_padded(rms, r_sum, w["latent_norm"], cfg.eps)
     z_routed = mm(r_n, w["latent_up"])
     h = situ(bf(mm(m, w["shared_gate"])), bf(mm(m, w["shared_up"])), cfg.situ_beta, cfg.situ_linear_beta)
     z_shared = mm(h, w["shared_down"])
