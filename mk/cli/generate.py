@@ -1,0 +1,180 @@
+"""`generate`: decode new tokens from a prompt with random weights or a checkpoint.
+
+    python -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
+    python -m mk generate --checkpoint DIR --prompt "Hello" [--temperature 0.7 --top-p 0.9] [--json]
+
+Prints the generated token ids of each row (space separated, one line per row; with `--prompt`,
+each row's decoded text follows on its own line, and [EOS] / <|end_of_msg|> stop generation). `--json` prints one JSON object instead:
+tokens (one list per row), prompt_tokens, prefill_s (includes compiling the step), decode_s,
+tokens_per_s, backend, config, and the sampling settings.
+
+Weights: `mk.params.init(config, seed)` for `--config` (a preset name or a checkpoint directory's
+config), or the tensors of `--checkpoint DIR`. `--backend kernel` runs the megakernel
+(`mk.kernel.make_step_fn`) with the reference's caches; `reference` (default) the pure-JAX step.
+Bad input exits 2 with a one-line message.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+import sys
+
+from mk.errors import UserError
+
+DEFAULT_CONFIG = "mini"
+
+
+class GenerateError(UserError):
+    """A `generate` option that cannot be run; the message names the option."""
+
+
+class PromptError(GenerateError):
+    """A prompt that is not a list of token ids of the model's vocabulary."""
+
+
+class BackendError(GenerateError):
+    """A backend or optional module that this build does not provide."""
+
+
+def parse_token_list(text: str, option: str = "--prompt-tokens") -> list[int]:
+    """'1,2,3' (commas and/or spaces) -> [1, 2, 3]."""
+    parts = [t for t in re.split(r"[,\s]+", text.strip()) if t]
+    try:
+        tokens = [int(t) for t in parts]
+    except ValueError:
+        raise PromptError(f"{option}: expected comma-separated integer token ids, found {text!r}") from None
+    if not tokens:
+        raise PromptError(f"{option}: no token ids given")
+    return tokens
+
+
+def _optional_module(name: str, why: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            raise BackendError(f"{why} needs {name}, which this build does not have yet") from None
+        raise
+
+
+def _check_options(args):
+    if args.max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens must be at least 1, found {args.max_new_tokens}")
+    if args.batch < 1:
+        raise GenerateError(f"--batch must be at least 1, found {args.batch}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise GenerateError(f"--temperature must be >= 0 (0 = greedy), found {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise GenerateError(f"--top-p must lie in (0, 1], found {args.top_p}")
+    if args.ctx is not None and (args.ctx <= 0 or args.ctx % 128):
+        raise GenerateError(f"--ctx must be a positive multiple of 128, found {args.ctx}")
+    if args.checkpoint is not None and args.config is not None:
+        raise GenerateError("give --config or --checkpoint, not both (a checkpoint brings its own config)")
+    if args.prompt is not None and args.checkpoint is None:
+        raise GenerateError("--prompt needs --checkpoint DIR (the tokenizer lives in the checkpoint); "
+                            "use --prompt-tokens with random weights")
+    if (args.prompt is None) == (args.prompt_tokens is None):
+        raise GenerateError("give exactly one of --prompt-tokens IDS or --prompt TEXT")
+
+
+def _model_config(args):
+    if args.checkpoint is None:
+        from mk.config import get_config
+        return get_config(args.config or DEFAULT_CONFIG)
+    return _optional_module("mk.checkpoint", "--checkpoint").load_config(args.checkpoint)
+
+
+def _prompt(args, cfg, tokenizer) -> list[int]:
+    if args.prompt is not None:
+        tokens = tokenizer.encode(args.prompt, allow_special=True)
+        if not tokens:
+            raise PromptError("--prompt: the text encodes to no tokens")
+        option = "--prompt"
+    else:
+        tokens = parse_token_list(args.prompt_tokens)
+        option = "--prompt-tokens"
+    bad = [t for t in tokens if not 0 <= t < cfg.vocab]
+    if bad:
+        raise PromptError(f"{option}: token id {bad[0]} outside the vocabulary [0, {cfg.vocab})"
+                          + (f" ({len(bad)} ids out of range)" if len(bad) > 1 else ""))
+    return tokens
+
+
+def _step_fn(args, params, cfg, ctx):
+    if args.backend == "reference":
+        return None
+    kernel = _optional_module("mk.kernel", "--backend kernel")
+    make = getattr(kernel, "make_step_fn", None)
+    if make is None:
+        raise BackendError("--backend kernel needs mk.kernel.make_step_fn, which this build does not have yet")
+    return make(params, cfg, args.batch, ctx=ctx)
+
+
+def run(args) -> int:
+    _check_options(args)
+    cfg = _model_config(args)
+    tokenizer = None
+    if args.prompt is not None:                          # text in, text out
+        tokenizer = _optional_module("mk.tokenizer", "--prompt").Tokenizer(args.checkpoint)
+    prompt = _prompt(args, cfg, tokenizer)
+    total = len(prompt) + args.max_new_tokens
+
+    import numpy as np
+    from mk import reference
+
+    ctx = args.ctx or max(reference.DEFAULT_CTX, -(-total // 128) * 128)
+    if total > ctx:
+        raise GenerateError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
+                            f"= {total} exceed --ctx {ctx}")
+    if args.checkpoint is not None:
+        params = _optional_module("mk.checkpoint", "--checkpoint").load(args.checkpoint, progress=not args.json)
+    else:
+        from mk.params import init
+        params = init(cfg, args.seed)
+    step_fn = _step_fn(args, params, cfg, ctx)
+    stop_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+    res = reference.generate(params, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)),
+                             args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed, ctx=ctx, step_fn=step_fn, stop_ids=stop_ids)
+    rows = [[int(t) for t in row] for row in np.asarray(res["tokens"])]
+    texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
+    if args.json:
+        out = {"tokens": rows, "prompt_tokens": prompt,
+               "prefill_s": res["prefill_s"], "decode_s": res["decode_s"], "tokens_per_s": res["tokens_per_s"],
+               "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
+               "batch": args.batch, "ctx": ctx, "max_new_tokens": args.max_new_tokens,
+               "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+        if texts is not None:
+            out["text"] = texts
+        print(json.dumps(out))
+    else:
+        for i, row in enumerate(rows):
+            print(" ".join(map(str, row)))
+            if texts is not None:
+                print(texts[i])
+    sys.stdout.flush()
+    return 0
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("generate", help="generate tokens (random weights or a checkpoint)",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None,
+                   help=f"preset name or checkpoint directory whose config to use with random weights "
+                        f"(default {DEFAULT_CONFIG})")
+    p.add_argument("--checkpoint", metavar="DIR", help="load weights (and tokenizer) from a checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="random-weight and sampling seed (default 0)")
+    p.add_argument("--prompt-tokens", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--prompt", metavar="TEXT", help="prompt text (needs --checkpoint for the tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per row (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept when sampling (default 1)")
+    p.add_argument("--batch", type=int, default=1, help="rows, each a copy of the prompt (default 1)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="cache capacity, a multiple of 128 (default: >= 256, enough for the run)")
+    p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
+    p.add_argument("--json", action="store_true", help="print tokens and timings as one JSON object")
+    p.set_defaults(func=run)
+    return p

@@ -1,0 +1,207 @@
+"""`python -m mk generate`: output formats, sampling options, checkpoints, backends, user errors.
+
+Runs on a 2-layer config written as a checkpoint config.json (so `--config DIR` is exercised and
+compiling the step takes seconds), plus one run of the documented `--config mini` command.
+"""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from mk import params as mkparams
+from mk import reference as ref
+from mk.__main__ import main
+from mk.config import get_config
+
+TINY = get_config("mini").replace(
+    dim=128, latent=128, expert_hidden=128, dense_hidden=128, experts=4, top_k=2, layers=2, heads=1,
+    q_rank=128, kv_rank=128, vocab=512, residual_block=1, full_attention=(1,))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    (d / "config.json").write_text(json.dumps(TINY.to_hf()))
+    return str(d)
+
+
+def cli(capsys, *argv):
+    """Run in-process -> (exit code, stdout, stderr)."""
+    code = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def gen(capsys, tiny_dir, *argv):
+    code, out, err = cli(capsys, "--config", tiny_dir, "--ctx", "128", *argv)
+    assert code == 0, err
+    return out
+
+
+def test_prints_token_ids(capsys, tiny_dir):
+    out = gen(capsys, tiny_dir, "--seed", "0", "--prompt-tokens", "1,2,3", "--max-new-tokens", "6")
+    lines = out.splitlines()
+    assert len(lines) == 1
+    toks = [int(t) for t in lines[0].split(" ")]
+    assert len(toks) == 6 and all(0 <= t < TINY.vocab for t in toks)
+    # exactly the library's greedy generation with mk.params.init(config, seed)
+    want = ref.generate(mkparams.init(TINY, 0), TINY, [1, 2, 3], 6, ctx=128)["tokens"][0].tolist()
+    assert toks == want
+    # deterministic, and the prompt may use spaces too
+    assert gen(capsys, tiny_dir, "--seed", "0", "--prompt-tokens", "1, 2, 3", "--max-new-tokens", "6") == out
+
+
+def test_json_output(capsys, tiny_dir):
+    out = gen(capsys, tiny_dir, "--prompt-tokens", "5,6", "--max-new-tokens", "4", "--json")
+    res = json.loads(out)
+    assert res["tokens"] == [res["tokens"][0]] and len(res["tokens"][0]) == 4
+    assert res["prompt_tokens"] == [5, 6]
+    assert res["backend"] == "reference" and res["config"] == tiny_dir
+    assert res["ctx"] == 128 and res["batch"] == 1 and res["temperature"] == 0.0 and res["top_p"] == 1.0
+    for k in ("prefill_s", "decode_s", "tokens_per_s"):
+        assert isinstance(res[k], float) and res[k] > 0
+    plain = gen(capsys, tiny_dir, "--prompt-tokens", "5,6", "--max-new-tokens", "4")
+    assert plain.split() == [str(t) for t in res["tokens"][0]]
+
+
+def test_batch_rows(capsys, tiny_dir):
+    out = gen(capsys, tiny_dir, "--prompt-tokens", "7,8,9", "--max-new-tokens", "3", "--batch", "3")
+    lines = out.splitlines()
+    assert len(lines) == 3 and len(set(lines)) == 1          # greedy copies of one prompt agree
+    one = gen(capsys, tiny_dir, "--prompt-tokens", "7,8,9", "--max-new-tokens", "3")
+    assert lines[0] == one.strip()
+
+
+def test_sampling_options(capsys, tiny_dir):
+    args = ("--prompt-tokens", "1,2", "--max-new-tokens", "6", "--temperature", "2.0")
+    a = gen(capsys, tiny_dir, *args, "--seed", "3")
+    assert gen(capsys, tiny_dir, *args, "--seed", "3") == a                 # reproducible
+    greedy = gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "6", "--seed", "3")
+    assert gen(capsys, tiny_dir, *args, "--seed", "3", "--top-p", "1e-6") == greedy
+    others = {gen(capsys, tiny_dir, *args, "--seed", str(s)) for s in (4, 5)}
+    assert others | {greedy} != {a}                                          # sampling samples
+
+
+def test_default_ctx_fits_the_run(capsys, tiny_dir):
+    code, out, err = cli(capsys, "--config", tiny_dir, "--prompt-tokens", "1", "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["ctx"] == ref.DEFAULT_CTX
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-tokens", "1,2,x"], "--prompt-tokens: expected comma-separated integer token ids"),
+    (["--prompt-tokens", "1.5"], "--prompt-tokens: expected comma-separated integer token ids"),
+    (["--prompt-tokens", ","], "--prompt-tokens: no token ids given"),
+    (["--prompt-tokens", "1,512"], "--prompt-tokens: token id 512 outside the vocabulary [0, 512)"),
+    (["--prompt-tokens", "-1"], "--prompt-tokens: token id -1 outside the vocabulary"),
+    (["--prompt-tokens", "1", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--prompt-tokens", "1", "--batch", "0"], "--batch must be at least 1"),
+    (["--prompt-tokens", "1", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["--prompt-tokens", "1", "--top-p", "0"], "--top-p must lie in (0, 1]"),
+    (["--prompt-tokens", "1", "--ctx", "100"], "--ctx must be a positive multiple of 128"),
+    (["--prompt-tokens", "1", "--ctx", "128", "--max-new-tokens", "128"], "exceed --ctx 128"),
+    ([], "give exactly one of --prompt-tokens IDS or --prompt TEXT"),
+    (["--prompt", "hi"], "--prompt needs --checkpoint DIR"),
+    (["--prompt-tokens", "1", "--checkpoint", "/nonexistent"], "give --config or --checkpoint, not both"),
+])
+def test_user_errors(capsys, tiny_dir, argv, message):
+    code, out, err = cli(capsys, "--config", tiny_dir, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_unknown_config_and_missing_checkpoint(capsys, tmp_path):
+    code, out, err = cli(capsys, "--config", "nope", "--prompt-tokens", "1")
+    assert code == 2 and out == "" and "unknown config 'nope'" in err and err.count("\n") == 1
+    code, out, err = cli(capsys, "--checkpoint", str(tmp_path), "--prompt-tokens", "1")
+    assert code == 2 and out == "" and "config.json" in err and err.count("\n") == 1
+
+
+def test_kernel_backend_plumbing(capsys, tiny_dir, monkeypatch):
+    """--backend kernel hands mk.kernel.make_step_fn(params, cfg, batch, ctx=...) to generate."""
+    calls = []
+
+    def make_step_fn(params, cfg, batch, *, ctx):
+        calls.append((cfg, batch, ctx))
+        return lambda p, cache, tokens: ref.decode_step(p, cache, tokens, cfg=cfg)
+
+    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(make_step_fn=make_step_fn))
+    out = gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--batch", "2",
+              "--backend", "kernel", "--json")
+    res = json.loads(out)
+    assert calls == [(TINY, 2, 128)] and res["backend"] == "kernel"
+    ref_out = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--json"))
+    assert res["tokens"] == ref_out["tokens"] * 2
+
+
+def test_kernel_backend_missing(capsys, tiny_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mk.kernel", None)          # import mk.kernel fails
+    code, out, err = cli(capsys, "--config", tiny_dir, "--prompt-tokens", "1", "--backend", "kernel")
+    assert code == 2 and "--backend kernel needs mk.kernel" in err and err.count("\n") == 1
+    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace())
+    code, out, err = cli(capsys, "--config", tiny_dir, "--prompt-tokens", "1", "--backend", "kernel")
+    assert code == 2 and "make_step_fn" in err
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    synth = pytest.importorskip("mk.synth")
+    pytest.importorskip("mk.tokenizer")
+    d = tmp_path_factory.mktemp("ckpt")
+    synth.write_checkpoint(TINY, str(d), seed=2)
+    return str(d)
+
+
+def test_checkpoint_prompt_tokens(capsys, tiny_checkpoint):
+    from mk.checkpoint import load_with_config
+
+    code, out, err = cli(capsys, "--checkpoint", tiny_checkpoint, "--prompt-tokens", "3,4", "--max-new-tokens", "4",
+                         "--ctx", "128", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    cfg, params = load_with_config(tiny_checkpoint, progress=False)
+    assert cfg == TINY and res["config"] == tiny_checkpoint
+    assert res["tokens"] == ref.generate(params, cfg, [3, 4], 4, ctx=128)["tokens"].tolist()
+
+
+def test_checkpoint_prompt_text(capsys, tiny_checkpoint):
+    from mk.tokenizer import Tokenizer
+
+    code, out, err = cli(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "hello world", "--max-new-tokens", "4",
+                         "--ctx", "128", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    tok = Tokenizer(tiny_checkpoint)
+    assert res["prompt_tokens"] == tok.encode("hello world")
+    assert res["text"] == [tok.decode(res["tokens"][0])]
+    assert 1 <= len(res["tokens"][0]) <= 4                   # may stop early at an end token
+    code, out, err = cli(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "hello world", "--max-new-tokens", "4",
+                         "--ctx", "128")
+    assert code == 0 and out.splitlines() == [" ".join(map(str, res["tokens"][0])), res["text"][0]]
+
+
+def test_documented_command(capsys):
+    code, out, err = cli(capsys, "--config", "mini", "--seed", "0", "--prompt-tokens", "1,2,3", "--max-new-tokens", "16")
+    assert code == 0, err
+    toks = out.split()
+    assert len(toks) == 16 and all(0 <= int(t) < 2048 for t in toks)
+
+
+def test_module_entry_point(tiny_dir, capsys):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-m", "mk", "generate", "--config", tiny_dir, "--ctx", "128",
+                           "--prompt-tokens", "1,2,3", "--max-new-tokens", "4", "--json"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["backend"] == "reference" and set(res) >= {"tokens", "prefill_s", "decode_s", "tokens_per_s", "config"}
+    assert res["tokens"] == json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "4",
+                                           "--json"))["tokens"]
+    bad = subprocess.run([sys.executable, "-m", "mk", "generate", "--config", tiny_dir, "--prompt-tokens", "a"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("error: --prompt-tokens")
