@@ -11,6 +11,11 @@ import os as _os
 if "xla_allow_excess_precision" not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 
+# On a CPU-only run libtpu (present for deviceless compilation) warns that it cannot find TPU
+# workers; tell it this host is the only one. Real TPU runs (JAX_PLATFORMS unset/tpu) are untouched.
+if _os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    _os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
 from mk.config import K3Config, PRESETS, get_config  # noqa: E402
 
 __all__ = ["K3Config", "PRESETS", "get_config"]
