@@ -26,6 +26,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
+	  $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
+	fi
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
