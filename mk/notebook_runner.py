@@ -1,0 +1,125 @@
+"""Execute the research notebooks headless (papermill) and export them (nbconvert, kaleido).
+
+    python -m mk notebooks --out DIR [-p name value ...]
+
+For every `notebooks/NN_*.ipynb`: DIR/<name>.ipynb (executed), DIR/<name>.html, and the figures the
+notebook saved with `save_figure` under DIR/figures/ (PNG through kaleido when a headless browser
+is available, i.e. env BROWSER_PATH points at an existing file, else standalone HTML). A failing
+notebook makes the run exit non-zero, naming the notebook and the failing cell.
+
+Notebooks find the figure folder through the env var `MK_NOTEBOOK_FIGURES` (unset: figures are only
+shown inline, nothing is written).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+FIGURES_ENV = "MK_NOTEBOOK_FIGURES"
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def _browser() -> str | None:
+    path = os.environ.get("BROWSER_PATH")
+    return path if path and os.path.exists(path) else None
+
+
+def save_figure(fig, name: str, out_dir: str | os.PathLike | None = None) -> str | None:
+    """Write a plotly figure as DIR/name.png (kaleido + headless browser) or DIR/name.html.
+    DIR = out_dir or $MK_NOTEBOOK_FIGURES; returns the path written, or None if no folder is set."""
+    d = out_dir or os.environ.get(FIGURES_ENV)
+    if not d:
+        return None
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    if _browser():
+        try:
+            path = d / f"{name}.png"
+            fig.write_image(str(path))
+            return str(path)
+        except Exception as e:  # kaleido / browser trouble: fall back to HTML
+            print(f"save_figure: PNG export failed ({type(e).__name__}: {e}); writing HTML", file=sys.stderr)
+    path = d / f"{name}.html"
+    fig.write_html(str(path), include_plotlyjs="cdn")
+    return str(path)
+
+
+def notebooks(directory: str | os.PathLike | None = None) -> list[Path]:
+    d = Path(directory) if directory else NOTEBOOK_DIR
+    return sorted(p for p in d.glob("[0-9][0-9]_*.ipynb"))
+
+
+def _kernel_name() -> str:
+    """A Jupyter kernel running this interpreter: registered as 'mk' for the current user if needed."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    specs = KernelSpecManager().get_all_specs()
+    for name, spec in specs.items():
+        argv = spec.get("spec", {}).get("argv", [])
+        if argv and os.path.realpath(argv[0]) == os.path.realpath(sys.executable):
+            return name
+    from ipykernel.kernelspec import install
+    install(user=True, kernel_name="mk", display_name=f"mk ({sys.executable})")
+    return "mk"
+
+
+def _failing_cell(nb_path: Path) -> str:
+    import nbformat
+    try:
+        nb = nbformat.read(str(nb_path), as_version=4)
+    except Exception:
+        return "?"
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                first = cell.source.splitlines()[0] if cell.source else ""
+                return f"cell {i} ({first[:60]!r}): {out.get('ename')}: {str(out.get('evalue'))[:200]}"
+    return "?"
+
+
+def export_html(nb_path: Path, html_path: Path):
+    import nbformat
+    from nbconvert import HTMLExporter
+    body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(nb_path), as_version=4))
+    html_path.write_text(body, encoding="utf-8")
+
+
+def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[str] | None = None,
+            html: bool = True, timeout: int = 900) -> list[dict]:
+    """Execute every notebook into `out`; returns [{notebook, seconds, ok, error}]."""
+    import papermill as pm
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    figs = out / "figures"
+    kernel = _kernel_name()
+    env_before = os.environ.get(FIGURES_ENV)
+    os.environ[FIGURES_ENV] = str(figs.resolve())
+    repo = str(NOTEBOOK_DIR.parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+    results = []
+    try:
+        for nb in notebooks():
+            if only and not any(o in nb.name for o in only):
+                continue
+            target = out / nb.name
+            t0 = time.perf_counter()
+            err = None
+            try:
+                pm.execute_notebook(str(nb), str(target), parameters=parameters or {}, kernel_name=kernel,
+                                    cwd=repo, progress_bar=False, execution_timeout=timeout)
+            except Exception as e:  # papermill raises PapermillExecutionError with the cell
+                err = f"{nb.name}: {_failing_cell(target) if target.exists() else e}"
+            secs = time.perf_counter() - t0
+            if html and target.exists():
+                try:
+                    export_html(target, target.with_suffix(".html"))
+                except Exception as e:
+                    err = err or f"{nb.name}: HTML export failed: {e}"
+            results.append({"notebook": nb.name, "seconds": round(secs, 1), "ok": err is None, "error": err})
+    finally:
+        if env_before is None:
+            os.environ.pop(FIGURES_ENV, None)
+        else:
+            os.environ[FIGURES_ENV] = env_before
+    return results
