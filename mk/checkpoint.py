@@ -1,0 +1,618 @@
+"""Load a Kimi K3 checkpoint in Hugging Face format into the parameter tree of `mk.params`.
+
+A checkpoint directory holds (spec 2.1):
+
+    config.json                      the model config, validated by `K3Config.from_hf`
+    model.safetensors.index.json     {"weight_map": {tensor name: shard file}}
+    model-*.safetensors              the shards
+    tiktoken.model, tokenizer_config.json, tokenization_kimi.py   (see `mk.tokenizer`)
+
+`load(path)` returns exactly the tree of `mk.params.shapes(cfg)`: same keys, shapes and dtypes.
+The mapping from checkpoint tensors (PyTorch `[out, in]`, names of spec 2.2) to that tree is one
+table, `layout(cfg)`, that `mk.synth` also uses to write checkpoints:
+
+    transposed matrices    W [out, in]            -> family[i] = W.T             ([in, out])
+    KDA short convolutions {q,k,v}_conv1d [HD,1,C] -> kda.conv[i, 0/1/2] = W[:, 0, :].T  ([C, HD])
+    AttnRes weights        norm [d] x proj [1, d] -> one fp32 vector norm * proj (folded, fp32)
+    routed experts (MXFP4) packed [N, K/2] u8 + scale [N, K/32] u8 -> moe.w1/w3/w2[m, e] = W.T
+
+Routed experts: `experts="bf16"` (default) dequantizes them to bf16 `[in, out]` like every other
+matrix. `experts="mxfp4"` keeps the checkpoint bytes and replaces `moe.w1`, `moe.w3`, `moe.w2` by
+
+    {"packed": u8 [n_moe, E, N, K/2], "scale": u8 [n_moe, E, N, K/32]}
+
+in CHECKPOINT orientation (row n = one output feature; low nibble = even k; one E8M0 exponent per
+32 consecutive k), with (N, K) = (expert_hidden, latent) for w1 (gate) and w3 (up), and
+(latent, expert_hidden) for w2 (down). `dequantize_mxfp4(packed, scale)` turns either back into
+the bf16 `[..., K, N]` array the bf16 mode returns, bit for bit.
+
+Loading first validates everything it can without reading tensor data: the index, every shard it
+references (existence, safetensors header, file size), and the name, shape and dtype of every
+tensor the model needs. Only then are arrays allocated and filled, family by family, layer by
+layer; E8M0 scale bytes are checked as they stream. Any bad input raises a subclass of
+`CheckpointError` whose message names the file and the tensor or key at fault; no partially
+filled tree is ever returned. Peak host memory is the output plus one tensor's working set (big
+tensors are streamed in row chunks of at most `CHUNK_BYTES`): arrays are preallocated per family,
+filled in place, and handed to JAX without a copy (CPU) at the end.
+
+Every read goes through `Checkpoint.read(name, rows=..., cols=...)`, which uses safetensors'
+memory-mapped `get_slice`, so a tensor/expert-parallel loader can fetch only the byte ranges one
+rank needs.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import threading
+from typing import Iterable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from mk.config import ConfigError, K3Config
+from mk.errors import UserError
+
+PREFIX = "language_model.model."
+LM_HEAD = "language_model.lm_head.weight"
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+MX_GROUP = 32            # MXFP4: one E8M0 scale per 32 consecutive input elements
+CHUNK_BYTES = 16 << 20   # row-chunk size for streaming big tensors
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+U8 = np.dtype(np.uint8)
+
+_NP_DTYPES = {"BF16": BF16, "F32": F32, "F16": np.dtype(np.float16), "U8": U8}
+_FLOAT = ("F32", "BF16", "F16")  # accepted for fp32 targets: all widen to fp32 exactly
+
+
+# ---- errors -------------------------------------------------------------------------------------
+class CheckpointError(UserError):
+    """A checkpoint this loader cannot use. The message names the file and the tensor or key."""
+
+
+class MissingFileError(CheckpointError):
+    """config.json, the index, a shard or a tokenizer file does not exist."""
+
+
+class CheckpointConfigError(CheckpointError, ConfigError):
+    """config.json holds a setting this code does not implement (wraps `ConfigError`)."""
+
+
+class IndexFormatError(CheckpointError):
+    """model.safetensors.index.json is not valid JSON or has no usable `weight_map`."""
+
+
+class MissingShardError(MissingFileError):
+    """An index entry names a shard file that does not exist."""
+
+
+class MissingTensorError(CheckpointError):
+    """A tensor the model needs is absent from the index or from its shard."""
+
+
+class TensorShapeError(CheckpointError):
+    """A tensor has the wrong shape."""
+
+
+class TensorDtypeError(CheckpointError):
+    """A tensor has the wrong dtype."""
+
+
+class CorruptShardError(CheckpointError):
+    """A shard is not a readable safetensors file."""
+
+
+class TruncatedShardError(CorruptShardError):
+    """A shard is shorter than its header says."""
+
+
+class CorruptHeaderError(CorruptShardError):
+    """A shard's safetensors header cannot be parsed."""
+
+
+class ScaleByteError(CheckpointError):
+    """An MXFP4 E8M0 scale byte is 0 or 255 (rejected, spec 2.3)."""
+
+
+class TokenizerError(CheckpointError):
+    """The tokenizer files are malformed (e.g. `pat_str` is not a literal list)."""
+
+
+# ---- the checkpoint <-> parameter tree table ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor: name, PyTorch shape, accepted safetensors dtypes (first = written)."""
+    name: str
+    shape: tuple[int, ...]
+    dtypes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """How checkpoint tensor(s) fill one slot `tree[dest][index]` of the parameter tree.
+
+    kind: "copy" (same orientation), "T" (2-D transpose), "conv" ([HD,1,C] -> [C,HD]),
+    "fold" (norm * proj, fp32), "mxfp4" (packed + scale -> dequantized, transposed).
+    """
+    kind: str
+    dest: tuple[str, ...]
+    index: tuple[int, ...]
+    sources: tuple[Source, ...]
+    group: str  # progress unit: "embed", "layer 3", "head"
+
+
+def _bf(name, shape):
+    return Source(name, tuple(shape), ("BF16",))
+
+
+def _fp(name, shape):
+    return Source(name, tuple(shape), _FLOAT)
+
+
+def layout(cfg: K3Config) -> list[Entry]:
+    """Every checkpoint tensor of `cfg` and where it goes, in file (layer) order."""
+    _check_mx(cfg)
+    d, H, D, HD = cfg.dim, cfg.heads, cfg.head_dim, cfg.attn_width
+    E, Lt, Fe, S, F = cfg.experts, cfg.latent, cfg.expert_hidden, cfg.shared_hidden, cfg.dense_hidden
+    out: list[Entry] = []
+
+    def add(kind, dest, index, sources, group):
+        out.append(Entry(kind, dest, tuple(index), tuple(sources), group))
+
+    def mat(dest, index, name, n_out, n_in, group):
+        add("T", dest, index, [_bf(name, (n_out, n_in))], group)
+
+    add("copy", ("embed",), (), [_bf(PREFIX + "embed_tokens.weight", (cfg.vocab, d))], "embed")
+    for l in range(cfg.layers):
+        p, g = f"{PREFIX}layers.{l}.", f"layer {l}"
+        add("copy", ("layer", "attn_norm"), (l,), [_bf(p + "input_layernorm.weight", (d,))], g)
+        add("copy", ("layer", "ffn_norm"), (l,), [_bf(p + "post_attention_layernorm.weight", (d,))], g)
+        add("fold", ("layer", "attn_res"), (l,), [_fp(p + "self_attention_res_norm.weight", (d,)),
+                                                  _fp(p + "self_attention_res_proj.weight", (1, d))], g)
+        add("fold", ("layer", "mlp_res"), (l,), [_fp(p + "mlp_res_norm.weight", (d,)),
+                                                 _fp(p + "mlp_res_proj.weight", (1, d))], g)
+        a = p + "self_attn."
+        if cfg.is_mla(l):
+            i = (cfg.mla_index(l),)
+            mat(("mla", "q_a"), i, a + "q_a_proj.weight", cfg.q_rank, d, g)
+            add("copy", ("mla", "q_a_norm"), i, [_bf(a + "q_a_layernorm.weight", (cfg.q_rank,))], g)
+            mat(("mla", "q_b"), i, a + "q_b_proj.weight", H * cfg.qk_head_dim, cfg.q_rank, g)
+            mat(("mla", "kv_a"), i, a + "kv_a_proj_with_mqa.weight", cfg.kv_rank + cfg.qk_extra, d, g)
+            add("copy", ("mla", "kv_a_norm"), i, [_bf(a + "kv_a_layernorm.weight", (cfg.kv_rank,))], g)
+            mat(("mla", "kv_b"), i, a + "kv_b_proj.weight", H * 2 * D, cfg.kv_rank, g)
+            mat(("mla", "g"), i, a + "g_proj.weight", HD, d, g)
+            mat(("mla", "o"), i, a + "o_proj.weight", d, HD, g)
+        else:
+            i = (cfg.kda_index(l),)
+            mat(("kda", "f_a"), i, a + "f_a_proj.weight", D, d, g)
+            mat(("kda", "f_b"), i, a + "f_b_proj.weight", HD, D, g)
+            for x in ("q", "k", "v", "g"):
+                mat(("kda", x), i, a + f"{x}_proj.weight", HD, d, g)
+            mat(("kda", "b"), i, a + "b_proj.weight", H, d, g)
+            mat(("kda", "o"), i, a + "o_proj.weight", d, HD, g)
+            for j, x in enumerate("qkv"):
+                add("conv", ("kda", "conv"), i + (j,), [_fp(a + f"{x}_conv1d.weight", (HD, 1, cfg.conv_size))], g)
+            add("copy", ("kda", "a_log"), i, [_fp(a + "A_log", (H,))], g)
+            add("copy", ("kda", "dt_bias"), i, [_fp(a + "dt_bias", (HD,))], g)
+            add("copy", ("kda", "o_norm"), i, [_fp(a + "o_norm.weight", (D,))], g)
+        if l == 0:
+            m = p + "mlp."
+            mat(("dense", "gate"), (), m + "gate_proj.weight", F, d, g)
+            mat(("dense", "up"), (), m + "up_proj.weight", F, d, g)
+            mat(("dense", "down"), (), m + "down_proj.weight", d, F, g)
+        else:
+            m, i = p + "block_sparse_moe.", (l - 1,)
+            mat(("moe", "router"), i, m + "gate.weight", E, d, g)
+            add("copy", ("moe", "router_bias"), i, [_fp(m + "gate.e_score_correction_bias", (E,))], g)
+            mat(("moe", "latent_down"), i, m + "routed_expert_down_proj.weight", Lt, d, g)
+            mat(("moe", "latent_up"), i, m + "routed_expert_up_proj.weight", d, Lt, g)
+            add("copy", ("moe", "latent_norm"), i, [_fp(m + "routed_expert_norm.weight", (Lt,))], g)
+            mat(("moe", "shared_gate"), i, m + "shared_experts.gate_proj.weight", S, d, g)
+            mat(("moe", "shared_up"), i, m + "shared_experts.up_proj.weight", S, d, g)
+            mat(("moe", "shared_down"), i, m + "shared_experts.down_proj.weight", d, S, g)
+            for e in range(E):
+                for w, (n, k) in (("w1", (Fe, Lt)), ("w3", (Fe, Lt)), ("w2", (Lt, Fe))):
+                    x = f"{m}experts.{e}.{w}."
+                    add("mxfp4", ("moe", w), i + (e,),
+                        [Source(x + "weight_packed", (n, k // 2), ("U8",)),
+                         Source(x + "weight_scale", (n, k // MX_GROUP), ("U8",))], g)
+    add("copy", ("final_norm",), (), [_bf(PREFIX + "norm.weight", (d,))], "head")
+    add("fold", ("output_res",), (), [_fp(PREFIX + "output_attn_res_norm.weight", (d,)),
+                                      _fp(PREFIX + "output_attn_res_proj.weight", (1, d))], "head")
+    add("T", ("lm_head",), (), [_bf(LM_HEAD, (cfg.vocab, d))], "head")
+    return out
+
+
+def _check_mx(cfg: K3Config, where: str = "config"):
+    for key, v in (("routed_expert_hidden_size", cfg.latent), ("moe_intermediate_size", cfg.expert_hidden)):
+        if v % MX_GROUP:
+            raise CheckpointConfigError(f"{where}: '{key}' = {v} is not a multiple of the MXFP4 "
+                                        f"group size {MX_GROUP}")
+
+
+# ---- MXFP4 ----------------------------------------------------------------------------------------
+# Values from ml_dtypes' own types: E2M1 codes 0..15 (bit 3 = sign) and E8M0 bytes (2^(e-127)).
+_FP4_VALUES = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+_E8M0_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+_PAIR_LUT = None  # [256 scale bytes * 256 packed bytes] u32: both decoded bf16 values of one byte
+_LUT_LOCK = threading.Lock()
+
+
+def _pair_lut() -> np.ndarray:
+    global _PAIR_LUT
+    with _LUT_LOCK:
+        if _PAIR_LUT is None:
+            with np.errstate(over="ignore", invalid="ignore"):  # 6 * 2^127 -> inf, e = 255 -> nan
+                one = (_E8M0_VALUES[:, None] * _FP4_VALUES[None, :]).astype(BF16).view(np.uint16)
+            b = np.arange(256)
+            lo, hi = one[:, b & 15].astype(np.uint32), one[:, b >> 4].astype(np.uint32)
+            _PAIR_LUT = (lo | (hi << 16)).reshape(-1)  # element 2j (low nibble) first in memory
+    return _PAIR_LUT
+
+
+def bad_scale_position(scale: np.ndarray):
+    """Index of the first E8M0 byte that is 0 or 255, or None."""
+    s = np.asarray(scale, np.uint8)
+    if s.size == 0 or int((s - np.uint8(1)).max()) < 254:  # 0 -> 255, 255 -> 254 (uint8 wrap)
+        return None
+    return tuple(int(x) for x in np.argwhere((s == 0) | (s == 255))[0])
+
+
+def dequantize_mxfp4(packed, scale, *, transpose: bool = True) -> np.ndarray:
+    """MXFP4 checkpoint bytes -> bf16 (spec 2.3), exactly `code value * 2^(e - 127)` rounded to bf16.
+
+    packed: u8 [..., N, K/2] (element 2j in the low nibble), scale: u8 [..., N, K/32].
+    Returns bf16 [..., K, N] (our `[in, out]` orientation) or [..., N, K] with `transpose=False`.
+    Scale bytes 0 and 255 raise ValueError (the loader checks them first, naming the tensor).
+    """
+    packed, scale = np.asarray(packed, np.uint8), np.asarray(scale, np.uint8)
+    *lead, n, half = packed.shape
+    if tuple(scale.shape) != (*lead, n, 2 * half // MX_GROUP) or (2 * half) % MX_GROUP:
+        raise ValueError(f"MXFP4 shapes disagree: packed {packed.shape}, scale {scale.shape}")
+    pos = bad_scale_position(scale)
+    if pos is not None:
+        raise ValueError(f"E8M0 scale byte {int(scale[pos])} at {pos} (0 and 255 are invalid)")
+    out = _dequant_rows(packed.reshape(-1, half), scale.reshape(-1, scale.shape[-1]))
+    out = out.reshape(*lead, n, 2 * half)
+    return np.swapaxes(out, -1, -2).copy() if transpose else out
+
+
+def _dequant_rows(packed2: np.ndarray, scale2: np.ndarray) -> np.ndarray:
+    """[R, K/2] u8 + [R, K/32] u8 -> [R, K] bf16, via one table lookup per packed byte."""
+    idx = np.repeat(scale2.astype(np.uint16) << 8, MX_GROUP // 2, axis=1)
+    idx |= packed2
+    return _pair_lut()[idx].view(BF16)
+
+
+# ---- fast 2-D transpose -------------------------------------------------------------------------------
+_JAX_T = None
+_JAX_MIN_BYTES = 1 << 20  # below this numpy's strided copy is fine
+
+
+def _transpose_into(dst: np.ndarray, src: np.ndarray):
+    """dst[...] = src.T for 2-D arrays; big bf16 ones through XLA's tiled transpose (much faster
+    than numpy's element-wise strided copy for 2-byte types)."""
+    global _JAX_T
+    if src.dtype == BF16 and src.nbytes >= _JAX_MIN_BYTES:
+        if _JAX_T is None:
+            import jax
+            _JAX_T = jax.jit(lambda a: a.T)
+        np.copyto(dst, np.asarray(_JAX_T(src)))
+    else:
+        np.copyto(dst, src.T)
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+def load_config(path) -> K3Config:
+    """The validated config of a checkpoint directory (CheckpointError subclasses on bad input)."""
+    path = os.fspath(path)
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise MissingFileError(f"{file}: config.json not found")
+    try:
+        cfg = K3Config.from_hf(file)
+    except ConfigError as e:
+        msg = str(e)
+        raise CheckpointConfigError(msg if file in msg else f"{file}: {msg}") from None
+    _check_mx(cfg, file)
+    return cfg
+
+
+class Checkpoint:
+    """An opened checkpoint directory: config, index and (lazily opened) shards.
+
+    `read(name, rows=None, cols=None)` returns one tensor (or a row/column range of it) as numpy,
+    read through the shard's memory map; `load(...)` builds the full parameter tree.
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise MissingFileError(f"{self.path}: checkpoint directory not found")
+        self.cfg = load_config(self.path)
+        self.index_file = os.path.join(self.path, INDEX_FILE)
+        self.weight_map = self._read_index()
+        self._handles: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    # -- index and shards --
+    def _read_index(self) -> dict[str, str]:
+        f = self.index_file
+        if not os.path.isfile(f):
+            raise MissingFileError(f"{f}: index not found")
+        try:
+            with open(f, "rb") as fh:
+                raw = json.loads(fh.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise IndexFormatError(f"{f}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
+            raise IndexFormatError(f"{f}: key 'weight_map' missing or not an object")
+        wm = raw["weight_map"]
+        for name, shard in wm.items():
+            if (not isinstance(shard, str) or not shard or os.path.isabs(shard)
+                    or ".." in shard.replace("\\", "/").split("/")):
+                raise IndexFormatError(f"{f}: weight_map['{name}'] = {shard!r} is not a shard file "
+                                       f"name inside the checkpoint directory")
+        for shard in sorted(set(wm.values())):
+            if not os.path.isfile(os.path.join(self.path, shard)):
+                name = next(n for n, s in wm.items() if s == shard)
+                raise MissingShardError(f"{os.path.join(self.path, shard)}: shard file not found "
+                                        f"(named by {INDEX_FILE} for tensor '{name}')")
+        return wm
+
+    @property
+    def shard_files(self) -> list[str]:
+        return [os.path.join(self.path, s) for s in sorted(set(self.weight_map.values()))]
+
+    def _shard_of(self, name: str) -> str:
+        shard = self.weight_map.get(name)
+        if shard is None:
+            raise MissingTensorError(f"{self.index_file}: tensor '{name}' is not in weight_map")
+        return shard
+
+    def _handle(self, shard: str):
+        h = self._handles.get(shard)
+        if h is not None:
+            return h
+        with self._lock:
+            h = self._handles.get(shard)
+            if h is None:
+                h = self._handles[shard] = self._open(shard)
+        return h
+
+    def _open(self, shard: str):
+        from safetensors import SafetensorError, safe_open
+
+        file = os.path.join(self.path, shard)
+        names = [n for n, s in self.weight_map.items() if s == shard]
+        held = f"'{names[0]}'" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+        try:
+            return safe_open(file, framework="np")
+        except FileNotFoundError:
+            raise MissingShardError(f"{file}: shard file not found (holds tensor {held})") from None
+        except SafetensorError as e:
+            msg = str(e)
+            if "not fully covered" in msg or "incomplete" in msg:
+                raise TruncatedShardError(f"{file}: truncated shard, its data is shorter than its "
+                                          f"header says ({msg}; holds tensor {held})") from None
+            raise CorruptHeaderError(f"{file}: corrupted safetensors header ({msg}; holds tensor {held})") from None
+        except OSError as e:
+            raise CorruptShardError(f"{file}: cannot read shard ({e}; holds tensor {held})") from None
+
+    def tensor_info(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype string) of a tensor, from its shard's header."""
+        shard = self._shard_of(name)
+        h = self._handle(shard)
+        try:
+            sl = h.get_slice(name)
+        except Exception:  # safetensors raises SafetensorError for unknown names
+            raise MissingTensorError(f"{os.path.join(self.path, shard)}: tensor '{name}' is not in this "
+                                     f"shard (though {INDEX_FILE} says it is)") from None
+        return tuple(sl.get_shape()), sl.get_dtype()
+
+    def check(self, src: Source):
+        shape, dtype = self.tensor_info(src.name)
+        file = os.path.join(self.path, self.weight_map[src.name])
+        if dtype not in src.dtypes:
+            raise TensorDtypeError(f"{file}: tensor '{src.name}' has dtype {dtype}, expected "
+                                   f"{' or '.join(src.dtypes)}")
+        if shape != src.shape:
+            raise TensorShapeError(f"{file}: tensor '{src.name}' has shape {list(shape)}, expected "
+                                   f"{list(src.shape)}")
+
+    def read(self, name: str, rows: "slice | None" = None, cols: "slice | None" = None) -> np.ndarray:
+        """A tensor, or `[rows]` / `[rows, cols]` of it, as numpy (only those bytes are copied)."""
+        h = self._handle(self._shard_of(name))
+        if rows is None and cols is None:
+            return h.get_tensor(name)
+        sl = h.get_slice(name)
+        key = (rows if rows is not None else slice(None),) + ((cols,) if cols is not None else ())
+        return sl[key]
+
+    def file_of(self, name: str) -> str:
+        return os.path.join(self.path, self.weight_map[name])
+
+    def close(self):
+        for h in self._handles.values():
+            try:
+                h.__exit__(None, None, None)
+            except Exception:
+                pass
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- validation and filling --
+    def validate(self, entries: "Iterable[Entry] | None" = None):
+        """Check every needed tensor exists with the right shape and dtype (reads headers only)."""
+        for shard in sorted(set(self.weight_map.values())):
+            self._handle(shard)  # header and file-size check of every referenced shard
+        for entry in layout(self.cfg) if entries is None else entries:
+            for src in entry.sources:
+                self.check(src)
+
+    def load(self, experts: str = "bf16", progress: bool = True, to_jax: bool = True,
+             threads: int = 2) -> dict:
+        """The parameter tree (see module docstring). `to_jax=False` returns numpy arrays."""
+        if experts not in ("bf16", "mxfp4"):
+            raise ValueError(f"experts must be 'bf16' or 'mxfp4', found {experts!r}")
+        entries = layout(self.cfg)
+        self.validate(entries)
+        tree = _allocate(self.cfg, experts)
+        groups: dict[str, list[Entry]] = {}
+        for e in entries:
+            groups.setdefault(e.group, []).append(e)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(groups), desc=f"loading {os.path.basename(self.path.rstrip('/'))}",
+                   unit="layer", disable=not progress, leave=False)
+        pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+        try:
+            for group, items in groups.items():
+                if pool is None:
+                    for e in items:
+                        self._fill(tree, e, experts)
+                else:
+                    for fut in [pool.submit(self._fill, tree, e, experts) for e in items]:
+                        fut.result()
+                bar.update(1)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            bar.close()
+        return as_jax(tree) if to_jax else tree
+
+    def _fill(self, tree: dict, e: Entry, experts: str):
+        fam = tree
+        for k in e.dest:
+            fam = fam[k]
+        if e.kind == "mxfp4":
+            self._fill_mxfp4(fam, e, experts)
+            return
+        dst = fam[e.index] if e.index else fam
+        src = e.sources[0]
+        if e.kind == "copy":
+            rows = _row_chunks(src.shape, dst.dtype.itemsize)
+            for r in rows:
+                np.copyto(dst[r] if len(rows) > 1 else dst, self.read(src.name, rows=r if len(rows) > 1 else None),
+                          casting="unsafe" if dst.dtype == F32 else "no")
+        elif e.kind == "T":
+            rows = _row_chunks(src.shape, dst.dtype.itemsize)
+            for r in rows:
+                x = self.read(src.name, rows=r if len(rows) > 1 else None)
+                _transpose_into(dst[:, r], x)
+        elif e.kind == "conv":
+            x = self.read(src.name)
+            np.copyto(dst, x[:, 0, :].T, casting="unsafe")
+        elif e.kind == "fold":
+            norm = self.read(e.sources[0].name).astype(np.float32)
+            proj = self.read(e.sources[1].name).astype(np.float32)
+            np.multiply(norm, proj[0], out=dst)
+        else:  # pragma: no cover
+            raise AssertionError(e.kind)
+
+    def _fill_mxfp4(self, fam, e: Entry, experts: str):
+        psrc, ssrc = e.sources
+        scale = self.read(ssrc.name)
+        pos = bad_scale_position(scale)
+        if pos is not None:
+            raise ScaleByteError(f"{self.file_of(ssrc.name)}: tensor '{ssrc.name}' has E8M0 scale byte "
+                                 f"{int(scale[pos])} at [{pos[0]}, {pos[1]}] (0 and 255 are invalid)")
+        packed = self.read(psrc.name)
+        if experts == "mxfp4":
+            fam["packed"][e.index] = packed
+            fam["scale"][e.index] = scale
+        else:
+            _transpose_into(fam[e.index], _dequant_rows(packed, scale))
+
+
+def _row_chunks(shape: Sequence[int], itemsize: int) -> list[slice]:
+    """Row slices of at most CHUNK_BYTES (one slice covering everything for small tensors)."""
+    row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize if len(shape) > 1 else itemsize
+    n = shape[0]
+    step = max(1, CHUNK_BYTES // max(row, 1))
+    if step >= n:
+        return [slice(0, n)]
+    if step >= 8:
+        step -= step % 8
+    return [slice(r, min(r + step, n)) for r in range(0, n, step)]
+
+
+def _allocate(cfg: K3Config, experts: str) -> dict:
+    """Uninitialised numpy arrays with the structure of `abstract_params` (filled by `load`)."""
+    from mk.params import shapes
+    import jax
+
+    tree = shapes(cfg)
+    tree = jax.tree.map(lambda s: _empty(s.shape, s.dtype), tree)
+    if experts == "mxfp4":
+        for w, s in mxfp4_shapes(cfg).items():
+            tree["moe"][w] = {k: _empty(v, U8) for k, v in s.items()}
+    return tree
+
+
+_ALIGN = 64  # jax.device_put aliases (does not copy) host arrays aligned like this on CPU
+
+
+def _empty(shape, dtype) -> np.ndarray:
+    """np.empty, but 64-byte aligned so that the hand-off to JAX is zero-copy."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(n + _ALIGN, np.uint8)
+    off = (-buf.ctypes.data) % _ALIGN
+    return buf[off:off + n].view(dtype).reshape(shape)
+
+
+def as_jax(tree):
+    """numpy tree -> jax arrays; zero-copy on CPU for `_empty` arrays (a copy elsewhere)."""
+    import jax
+    return jax.tree.map(jax.device_put, tree)
+
+
+def mxfp4_shapes(cfg: K3Config) -> dict:
+    """Shapes of the packed expert families of `experts="mxfp4"` (checkpoint orientation)."""
+    n, E, Lt, Fe = cfg.n_moe, cfg.experts, cfg.latent, cfg.expert_hidden
+    gu = {"packed": (n, E, Fe, Lt // 2), "scale": (n, E, Fe, Lt // MX_GROUP)}
+    down = {"packed": (n, E, Lt, Fe // 2), "scale": (n, E, Lt, Fe // MX_GROUP)}
+    return {"w1": gu, "w3": dict(gu), "w2": down}
+
+
+# ---- public entry points --------------------------------------------------------------------------------
+def load(path, experts: str = "bf16", progress: bool = True, to_jax: bool = True, threads: int = 2) -> dict:
+    """Load a checkpoint directory into the `mk.params` tree (see the module docstring)."""
+    with Checkpoint(path) as ck:
+        return ck.load(experts=experts, progress=progress, to_jax=to_jax, threads=threads)
+
+
+def load_with_config(path, **kw) -> tuple[K3Config, dict]:
+    with Checkpoint(path) as ck:
+        return ck.cfg, ck.load(**kw)
+
+
+def abstract_params(path_or_cfg, experts: str = "bf16") -> dict:
+    """`jax.ShapeDtypeStruct`s of what `load(path, experts=...)` returns, from config.json only."""
+    import jax
+    from mk.params import shapes
+
+    cfg = path_or_cfg if isinstance(path_or_cfg, K3Config) else load_config(path_or_cfg)
+    if experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"experts must be 'bf16' or 'mxfp4', found {experts!r}")
+    tree = shapes(cfg)
+    if experts == "mxfp4":
+        for w, s in mxfp4_shapes(cfg).items():
+            tree["moe"][w] = {k: jax.ShapeDtypeStruct(v, U8) for k, v in s.items()}
+    return tree
+
+
+def checkpoint_bytes(path) -> int:
+    """Total size of the shard files a checkpoint's index references."""
+    with Checkpoint(path) as ck:
+        return sum(os.path.getsize(f) for f in ck.shard_files)

@@ -1,0 +1,220 @@
+"""Checkpoint commands: `synth` (write a synthetic checkpoint), `logits` (teacher-forced logits of a
+checkpoint), `load` (load it, optionally benchmarking against a raw sequential read).
+
+    python -m mk synth --config mini [--override dim=1024,layers=16] --out DIR [--seed N] [--shard-mb M]
+    python -m mk logits --checkpoint DIR --tokens 5,17,3 --out FILE.npy [--backend reference|kernel]
+    python -m mk load DIR [--experts bf16|mxfp4] [--bench] [--json]
+
+`--config` is a preset name or a checkpoint directory; `--override KEY=VALUE[,KEY=VALUE...]`
+(repeatable) replaces K3Config fields, values parsed as JSON (`full_attention=[3,7,15]`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+
+from mk.config import ConfigError
+from mk.errors import UserError
+
+
+def parse_overrides(items) -> dict:
+    """["dim=1024,layers=16", "full_attention=[3,7]"] -> {"dim": 1024, "layers": 16, ...}."""
+    from mk.config import K3Config
+
+    fields = {f.name for f in dataclasses.fields(K3Config)}
+    out = {}
+    for item in items or ():
+        for part in re.split(r",(?![^\[\(]*[\]\)])", item):
+            if not part.strip():
+                continue
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep:
+                raise ConfigError(f"--override: expected KEY=VALUE, found {part!r}")
+            if key not in fields:
+                raise ConfigError(f"--override: unknown K3Config field '{key}' (fields: {', '.join(sorted(fields))})")
+            try:
+                v = json.loads(value.replace("(", "[").replace(")", "]"))
+            except json.JSONDecodeError:
+                raise ConfigError(f"--override: value of '{key}' is not a number or list: {value!r}") from None
+            out[key] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def resolve_config(name: str, overrides=()):
+    from mk.config import get_config
+
+    cfg = get_config(name)
+    kw = parse_overrides(overrides)
+    return cfg.replace(**kw) if kw else cfg
+
+
+def _synth(args) -> int:
+    from mk.checkpoint import checkpoint_bytes
+    from mk.synth import write_checkpoint
+
+    cfg = resolve_config(args.config, args.override)
+    t = time.perf_counter()
+    write_checkpoint(cfg, args.out, seed=args.seed, shard_bytes=int(args.shard_mb * (1 << 20)),
+                     progress=not args.no_progress)
+    n = checkpoint_bytes(args.out)
+    print(f"wrote {args.out}: {n / 1e9:.3f} GB in {time.perf_counter() - t:.1f} s "
+          f"(dim={cfg.dim}, layers={cfg.layers}, experts={cfg.experts}, vocab={cfg.vocab})")
+    return 0
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        toks = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"--tokens: expected comma-separated integers, found {text!r}") from None
+    if not toks:
+        raise UserError("--tokens: no tokens given")
+    return toks
+
+
+def teacher_forced_fn(backend: str):
+    """`teacher_forced_logits(params, cfg, tokens)` of the reference or the kernel backend."""
+    import importlib
+
+    module = "mk.reference" if backend == "reference" else "mk.kernel"
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise UserError(f"--backend {backend}: {module} is not available ({e})") from None
+    fn = getattr(mod, "teacher_forced_logits", None)
+    if fn is None:
+        raise UserError(f"--backend {backend}: {module} has no teacher_forced_logits yet")
+    return fn
+
+
+def _logits(args) -> int:
+    import numpy as np
+    from mk.checkpoint import load_with_config
+
+    if (args.tokens is None) == (args.text is None):
+        raise UserError("logits: give exactly one of --tokens or --text")
+    fn = teacher_forced_fn(args.backend)
+    if args.text is not None:
+        from mk.tokenizer import Tokenizer
+        tokens = Tokenizer(args.checkpoint).encode(args.text, allow_special=True)
+    else:
+        tokens = _parse_tokens(args.tokens)
+    cfg, params = load_with_config(args.checkpoint, progress=not args.no_progress)
+    bad = [t for t in tokens if not 0 <= t < cfg.vocab]
+    if bad:
+        raise UserError(f"--tokens: ids {bad[:5]} outside the vocabulary [0, {cfg.vocab})")
+    logits = np.asarray(fn(params, cfg, tokens), np.float32)
+    np.save(args.out, logits)
+    print(f"wrote {args.out}: float32 logits {list(logits.shape)} ({args.backend})")
+    return 0
+
+
+def raw_read(files, chunk: int = 16 << 20) -> int:
+    """Plain sequential read of the files into one reused buffer; returns the bytes read."""
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    total = 0
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while True:
+                n = fh.readinto(view)
+                if not n:
+                    break
+                total += n
+    return total
+
+
+def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1) -> dict:
+    """Load time vs raw read time of the same shard files, page cache in the same (warm) state.
+
+    Procedure: one untimed raw read of every shard (warms the page cache; the files must fit in
+    RAM), then `repeat` x (timed raw read, timed load incl. validation, allocation and the
+    hand-off to JAX, then release the tree). Reports the best of each.
+    """
+    import gc
+
+    import jax
+    from mk.checkpoint import Checkpoint, load
+
+    with Checkpoint(path) as ck:
+        files = ck.shard_files
+    total = raw_read(files)  # warm-up
+    raw_s, load_s = [], []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        raw_read(files)
+        raw_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        tree = load(path, experts=experts, progress=False, threads=threads)
+        jax.block_until_ready(tree)
+        load_s.append(time.perf_counter() - t)
+        del tree
+        gc.collect()
+    r, s = min(raw_s), min(load_s)
+    return {"path": os.fspath(path), "bytes": total, "shards": len(files), "experts": experts,
+            "threads": threads, "seconds": s, "gb_per_s": total / s / 1e9,
+            "raw_read_seconds": r, "raw_read_gb_per_s": total / r / 1e9,
+            "ratio": (total / s) / (total / r), "repeat": repeat,
+            "cache": "warm: untimed raw read first, then timed raw read, then timed load"}
+
+
+def _load(args) -> int:
+    import jax
+    from mk.checkpoint import checkpoint_bytes, load
+
+    if args.bench:
+        res = bench_load(args.path, experts=args.experts, threads=args.threads, repeat=args.repeat)
+    else:
+        t = time.perf_counter()
+        tree = load(args.path, experts=args.experts, progress=not args.no_progress and not args.json,
+                    threads=args.threads)
+        jax.block_until_ready(tree)
+        s = time.perf_counter() - t
+        n = checkpoint_bytes(args.path)
+        res = {"path": args.path, "bytes": n, "seconds": s, "gb_per_s": n / s / 1e9,
+               "experts": args.experts, "leaves": len(jax.tree.leaves(tree))}
+    if args.json:
+        print(json.dumps(res))
+    else:
+        line = f"loaded {res['path']}: {res['bytes'] / 1e9:.3f} GB in {res['seconds']:.2f} s ({res['gb_per_s']:.2f} GB/s)"
+        if args.bench:
+            line += (f"; raw sequential read {res['raw_read_gb_per_s']:.2f} GB/s; "
+                     f"ratio {res['ratio']:.2f}")
+        print(line)
+    return 0
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("synth", help="write a synthetic checkpoint (random well-behaved weights)")
+    p.add_argument("--config", default="mini", help="preset name or checkpoint directory (default mini)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="replace K3Config fields, e.g. dim=1024,layers=16 (repeatable)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-mb", type=float, default=256.0, help="maximum shard size in MiB")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_synth)
+
+    p = subparsers.add_parser("logits", help="teacher-forced logits [T, vocab] of a checkpoint")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--tokens", help="comma-separated token ids, e.g. 5,17,3")
+    p.add_argument("--text", help="text to encode with the checkpoint's tokenizer (instead of --tokens)")
+    p.add_argument("--out", required=True, help=".npy file for the float32 logits")
+    p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_logits)
+
+    p = subparsers.add_parser("load", help="load a checkpoint (optionally benchmark the load)")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16")
+    p.add_argument("--bench", action="store_true", help="compare with a raw sequential read of the shards")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1, help="--bench: report the best of N")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_load)

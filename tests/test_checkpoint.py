@@ -1,0 +1,354 @@
+"""mk.checkpoint / mk.synth / `python -m mk synth|logits|load`: round trips and bad input.
+
+One mini-config synthetic checkpoint is written per session; every bad-input case is a clone of
+it (symlinks, with only the damaged file copied) so each test stays fast.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mk import checkpoint as ck
+from mk import synth
+from mk.__main__ import main
+from mk.config import ConfigError, get_config
+from mk.params import shapes
+
+CFG = get_config("mini")
+SEED = 0
+TOKENS = [5, 17, 3, 1000, 42, 7]
+KDA_Q = "language_model.model.layers.1.self_attn.q_proj.weight"
+NORM = "language_model.model.layers.2.input_layernorm.weight"
+SCALE = "language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight_scale"
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """(path, tree returned by write_checkpoint) of the session's mini checkpoint."""
+    path = tmp_path_factory.mktemp("ckpt") / "mini"
+    written = synth.write_checkpoint(CFG, path, seed=SEED, shard_bytes=4 << 20)
+    return str(path), written
+
+
+@pytest.fixture(scope="session")
+def expected():
+    return synth.quantized_params(CFG, SEED)
+
+
+@pytest.fixture(scope="session")
+def loaded(ckpt):
+    return ck.load(ckpt[0], progress=False)
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.dtype, x.shape, x.view(np.uint8).tobytes()
+
+
+def assert_same_tree(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        assert _bits(x) == _bits(y), jax.tree_util.keystr(path)
+
+
+# ---- round trips --------------------------------------------------------------------------------
+def test_round_trip_equals_quantized_params(loaded, expected):
+    assert_same_tree(loaded, expected)
+
+
+def test_loaded_tree_has_params_layout(loaded):
+    want = shapes(CFG)
+    assert jax.tree.structure(loaded) == jax.tree.structure(want)
+    for x, s in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)):
+        assert isinstance(x, jax.Array) and x.shape == s.shape and x.dtype == s.dtype
+
+
+def test_write_checkpoint_returns_what_it_wrote(ckpt, expected):
+    assert_same_tree(ckpt[1], expected)
+
+
+def test_quantized_params_only_touch_experts(expected):
+    init = __import__("mk.params", fromlist=["init"]).init(CFG, SEED)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(init), jax.tree.leaves(expected)):
+        key = jax.tree_util.keystr(path)
+        if any(w in key for w in ("'w1'", "'w2'", "'w3'")):
+            assert np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))) > 0
+        else:
+            assert _bits(x) == _bits(y), key
+
+
+def test_mxfp4_mode_dequantizes_to_the_same(ckpt, expected):
+    tree = ck.load(ckpt[0], experts="mxfp4", progress=False, threads=1)
+    abstract = ck.abstract_params(ckpt[0], experts="mxfp4")
+    assert jax.tree.structure(tree) == jax.tree.structure(abstract)
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(abstract)):
+        assert x.shape == s.shape and x.dtype == s.dtype
+    for w in synth.EXPERT_FAMILIES:
+        got = ck.dequantize_mxfp4(tree["moe"][w]["packed"], tree["moe"][w]["scale"])
+        assert _bits(got) == _bits(expected["moe"][w]), w
+    rest = {k: v for k, v in tree.items() if k != "moe"}
+    assert_same_tree(rest, {k: v for k, v in expected.items() if k != "moe"})
+
+
+def test_abstract_params_from_config_only(ckpt, tmp_path):
+    only_config = tmp_path / "cfg"
+    only_config.mkdir()
+    (only_config / "config.json").write_text(open(os.path.join(ckpt[0], "config.json")).read())
+    assert ck.abstract_params(only_config) == shapes(CFG)
+
+
+def test_several_shards_and_spec_names(ckpt):
+    path = ckpt[0]
+    index = json.load(open(os.path.join(path, ck.INDEX_FILE)))
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    for s in shards:
+        assert os.path.getsize(os.path.join(path, s)) <= (4 << 20) + (1 << 16)
+    names = set(index["weight_map"])
+    assert ck.LM_HEAD in names and "language_model.model.embed_tokens.weight" in names
+    assert all(n == ck.LM_HEAD or n.startswith(ck.PREFIX) for n in names)
+    assert names == {s.name for e in ck.layout(CFG) for s in e.sources}
+    with ck.Checkpoint(path) as c:
+        assert c.tensor_info(KDA_Q) == ((CFG.attn_width, CFG.dim), "BF16")
+        assert c.tensor_info(KDA_Q.replace("q_proj", "q_conv1d"))[1] == "F32"
+        assert c.tensor_info(SCALE) == ((CFG.latent, CFG.expert_hidden // 32), "U8")
+        # partial reads only fetch the requested rows / columns
+        full = c.read(KDA_Q)
+        np.testing.assert_array_equal(c.read(KDA_Q, rows=slice(8, 24)), full[8:24])
+        np.testing.assert_array_equal(c.read(KDA_Q, rows=slice(0, 4), cols=slice(16, 48)), full[:4, 16:48])
+
+
+def test_orientation_matches_params(ckpt, expected):
+    """PyTorch [out, in] on disk, [in, out] in the tree; conv [HD,1,C] -> [C,HD]; AttnRes fold."""
+    with ck.Checkpoint(ckpt[0]) as c:
+        q = c.read(KDA_Q)
+        np.testing.assert_array_equal(q.T, np.asarray(expected["kda"]["q"][CFG.kda_index(1)]))
+        conv = c.read(KDA_Q.replace("q_proj", "k_conv1d"))
+        np.testing.assert_array_equal(conv[:, 0, :].T, np.asarray(expected["kda"]["conv"][CFG.kda_index(1), 1]))
+        p = "language_model.model.layers.4."
+        fold = c.read(p + "mlp_res_norm.weight") * c.read(p + "mlp_res_proj.weight")[0]
+        np.testing.assert_array_equal(fold, np.asarray(expected["layer"]["mlp_res"][4]))
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------
+def test_logits_cli_matches_reference_bit_for_bit(ckpt, expected, tmp_path):
+    reference = pytest.importorskip("mk.reference", reason="mk.reference not present yet")
+    out = tmp_path / "logits.npy"
+    toks = ",".join(map(str, TOKENS))
+    assert main(["logits", "--checkpoint", ckpt[0], "--tokens", toks, "--out", str(out), "--no-progress"]) == 0
+    got = np.load(out)
+    want = np.asarray(reference.teacher_forced_logits(expected, CFG, TOKENS), np.float32)
+    assert got.dtype == np.float32 and got.shape == (len(TOKENS), CFG.vocab)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_synth_and_load_cli(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    args = ["synth", "--config", "mini", "--override", "layers=4,full_attention=[3],experts=4,top_k=2",
+            "--override", "vocab=640", "--out", str(out), "--seed", "3", "--shard-mb", "1", "--no-progress"]
+    assert main(args) == 0
+    cfg = ck.load_config(out)
+    assert (cfg.layers, cfg.full_attention, cfg.experts, cfg.vocab) == (4, (3,), 4, 640)
+    capsys.readouterr()
+    assert main(["load", str(out), "--bench", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert {"bytes", "seconds", "gb_per_s", "raw_read_gb_per_s"} <= set(res)
+    assert res["bytes"] == ck.checkpoint_bytes(out)
+    assert_same_tree(ck.load(out, progress=False), synth.quantized_params(cfg, 3))
+
+
+def test_bad_override_exits_2(tmp_path, capsys):
+    assert main(["synth", "--override", "layers=2", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "full_attention" in err
+
+
+def test_kernel_backend_missing_is_a_clear_error(ckpt, tmp_path, capsys):
+    try:
+        import mk.kernel  # noqa: F401
+        if hasattr(sys.modules["mk.kernel"], "teacher_forced_logits"):
+            pytest.skip("mk.kernel provides teacher_forced_logits")
+    except ModuleNotFoundError:
+        pass
+    rc = main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(tmp_path / "l.npy"),
+               "--backend", "kernel", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "kernel" in err and err.count("\n") == 1
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+def clone(src, dst, copy=()):
+    """A checkpoint directory of symlinks to `src`, with the files in `copy` copied (to damage)."""
+    os.makedirs(dst)
+    for f in os.listdir(src):
+        if f in copy:
+            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+                b.write(a.read())
+        else:
+            os.symlink(os.path.join(src, f), os.path.join(dst, f))
+    return str(dst)
+
+
+def shard_of(path, name):
+    return json.load(open(os.path.join(path, ck.INDEX_FILE)))["weight_map"][name]
+
+
+def rewrite_shard(src, dst, name, fn):
+    """Clone with the shard holding `name` rewritten: fn(tensors dict) mutates it."""
+    shard = shard_of(src, name)
+    path = clone(src, dst)
+    tensors = load_file(os.path.join(src, shard))
+    fn(tensors)
+    os.remove(os.path.join(path, shard))
+    save_file(tensors, os.path.join(path, shard), metadata={"format": "pt"})
+    return path, shard
+
+
+def edit_json(path, file, fn):
+    f = os.path.join(path, file)
+    data = json.load(open(f))
+    fn(data)
+    with open(f, "w") as fh:
+        json.dump(data, fh)
+
+
+def _no_config(src, dst):
+    path = clone(src, dst)
+    os.remove(os.path.join(path, "config.json"))
+    return path, ck.MissingFileError, ["config.json"]
+
+
+def _unsupported(src, dst):
+    path = clone(src, dst, copy=["config.json"])
+    edit_json(path, "config.json", lambda d: d["text_config"].update(hidden_act="gelu"))
+    return path, ck.CheckpointConfigError, ["config.json", "hidden_act"]
+
+
+def _no_index(src, dst):
+    path = clone(src, dst)
+    os.remove(os.path.join(path, ck.INDEX_FILE))
+    return path, ck.MissingFileError, [ck.INDEX_FILE]
+
+
+def _index_not_json(src, dst):
+    path = clone(src, dst)
+    os.remove(os.path.join(path, ck.INDEX_FILE))
+    with open(os.path.join(path, ck.INDEX_FILE), "w") as f:
+        f.write('{"weight_map": {')
+    return path, ck.IndexFormatError, [ck.INDEX_FILE, "JSON"]
+
+
+def _index_no_weight_map(src, dst):
+    path = clone(src, dst, copy=[ck.INDEX_FILE])
+    edit_json(path, ck.INDEX_FILE, lambda d: d.pop("weight_map"))
+    return path, ck.IndexFormatError, [ck.INDEX_FILE, "weight_map"]
+
+
+def _shard_missing(src, dst):
+    shard = shard_of(src, KDA_Q)
+    path = clone(src, dst)
+    os.remove(os.path.join(path, shard))
+    return path, ck.MissingShardError, [shard, "language_model.model."]
+
+
+def _not_in_index(src, dst):
+    path = clone(src, dst, copy=[ck.INDEX_FILE])
+    edit_json(path, ck.INDEX_FILE, lambda d: d["weight_map"].pop(KDA_Q))
+    return path, ck.MissingTensorError, [ck.INDEX_FILE, KDA_Q]
+
+
+def _not_in_shard(src, dst):
+    path, shard = rewrite_shard(src, dst, KDA_Q, lambda t: t.pop(KDA_Q))
+    return path, ck.MissingTensorError, [shard, KDA_Q]
+
+
+def _wrong_shape(src, dst):
+    path, shard = rewrite_shard(src, dst, KDA_Q, lambda t: t.update({KDA_Q: np.ascontiguousarray(t[KDA_Q][:-1])}))
+    return path, ck.TensorShapeError, [shard, KDA_Q, "shape"]
+
+
+def _wrong_dtype(src, dst):
+    path, shard = rewrite_shard(src, dst, NORM, lambda t: t.update({NORM: t[NORM].astype(np.float32)}))
+    return path, ck.TensorDtypeError, [shard, NORM, "F32", "BF16"]
+
+
+def _truncated(src, dst):
+    shard = shard_of(src, KDA_Q)
+    path = clone(src, dst, copy=[shard])
+    f = os.path.join(path, shard)
+    os.truncate(f, os.path.getsize(f) - 1000)
+    return path, ck.TruncatedShardError, [shard, "truncated"]
+
+
+def _bad_header(src, dst):
+    shard = shard_of(src, KDA_Q)
+    path = clone(src, dst, copy=[shard])
+    with open(os.path.join(path, shard), "r+b") as f:
+        f.seek(8)
+        f.write(b"#garbage")  # the JSON header starts at byte 8
+    return path, ck.CorruptHeaderError, [shard, "header"]
+
+
+def _scale(value):
+    def make(src, dst):
+        def damage(t):
+            s = t[SCALE].copy()
+            s[3, 1] = value
+            t[SCALE] = s
+        path, shard = rewrite_shard(src, dst, SCALE, damage)
+        return path, ck.ScaleByteError, [shard, SCALE, f"byte {value}", "[3, 1]"]
+    make.__name__ = f"_scale_{value}"
+    return make
+
+
+BAD = [_no_config, _unsupported, _no_index, _index_not_json, _index_no_weight_map, _shard_missing,
+       _not_in_index, _not_in_shard, _wrong_shape, _wrong_dtype, _truncated, _bad_header, _scale(0),
+       _scale(255)]
+
+
+@pytest.mark.parametrize("case", BAD, ids=lambda f: f.__name__.strip("_"))
+def test_bad_input_raises_named_checkpoint_error(case, ckpt, tmp_path, capsys):
+    path, err, words = case(ckpt[0], tmp_path / "bad")
+    for experts in ("bf16", "mxfp4"):
+        with pytest.raises(err) as info:
+            ck.load(path, experts=experts, progress=False)
+        assert isinstance(info.value, ck.CheckpointError)
+        msg = str(info.value)
+        for w in words:
+            assert w in msg, (w, msg)
+    assert main(["load", path, "--no-progress"]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("error: ") and out.err.count("\n") == 1
+    assert "Traceback" not in out.err + out.out
+
+
+def test_unsupported_config_is_also_a_config_error(ckpt, tmp_path):
+    path, _, _ = _unsupported(ckpt[0], tmp_path / "bad")
+    with pytest.raises(ConfigError):
+        ck.load_config(path)
+
+
+def test_bad_checkpoint_in_a_real_process_prints_one_line(ckpt, tmp_path):
+    path, _, _ = _wrong_shape(ckpt[0], tmp_path / "bad")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "mk", "load", path, "--no-progress"], capture_output=True,
+                       text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and KDA_Q in r.stderr
+
+
+def test_shapes_and_dtypes_checked_before_any_read(ckpt, tmp_path, monkeypatch):
+    """A bad tensor late in the file order is reported before any tensor data is read."""
+    path, _ = rewrite_shard(ckpt[0], tmp_path / "bad", ck.LM_HEAD,
+                            lambda t: t.update({ck.LM_HEAD: t[ck.LM_HEAD].astype(np.float32)}))
+    reads = []
+    orig = ck.Checkpoint.read
+    monkeypatch.setattr(ck.Checkpoint, "read", lambda self, *a, **k: reads.append(a) or orig(self, *a, **k))
+    with pytest.raises(ck.TensorDtypeError):
+        ck.load(path, progress=False)
+    assert reads == []
