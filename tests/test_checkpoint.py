@@ -168,17 +168,27 @@ def test_bad_override_exits_2(tmp_path, capsys):
     assert err.startswith("error:") and err.count("\n") == 1 and "full_attention" in err
 
 
-def test_kernel_backend_missing_is_a_clear_error(ckpt, tmp_path, capsys):
-    try:
-        import mk.kernel  # noqa: F401
-        if hasattr(sys.modules["mk.kernel"], "teacher_forced_logits"):
-            pytest.skip("mk.kernel provides teacher_forced_logits")
-    except ModuleNotFoundError:
-        pass
+def test_kernel_backend_dispatches_to_mk_kernel(ckpt, tmp_path, monkeypatch):
+    import types
+    calls = []
+
+    def fake(params, cfg, tokens, ctx=None):
+        calls.append((cfg, list(tokens), sorted(params)))
+        return np.zeros((len(tokens), cfg.vocab), np.float32)
+
+    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(teacher_forced_logits=fake))
+    out = tmp_path / "l.npy"
+    assert main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(out),
+                 "--backend", "kernel", "--no-progress"]) == 0
+    assert calls == [(CFG, [1, 2], sorted(shapes(CFG)))] and np.load(out).shape == (2, CFG.vocab)
+
+
+def test_kernel_backend_missing_is_a_clear_error(ckpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mk.kernel", None)  # import mk.kernel -> ModuleNotFoundError
     rc = main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(tmp_path / "l.npy"),
                "--backend", "kernel", "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 2 and "kernel" in err and err.count("\n") == 1
+    assert rc == 2 and "mk.kernel" in err and err.count("\n") == 1
 
 
 # ---- bad input --------------------------------------------------------------------------------------------

@@ -94,3 +94,18 @@ def test_quantize_random_weights():
 def test_zero_group_gets_valid_scale():
     packed, scale = quantize_mxfp4(np.zeros((32, 2), BF16))
     assert np.all(scale == 127) and np.all(packed == 0)
+
+
+def test_loader_fast_path_for_big_matrices_is_exact():
+    """The loader's XLA path (matrices >= 256 KiB packed) agrees with the plain path bit for bit."""
+    from mk.checkpoint import _dequant_into, _JAX_MIN_BYTES
+    rng = np.random.default_rng(4)
+    n, half = 512, 512  # K = 1024
+    assert n * half >= _JAX_MIN_BYTES // 4
+    packed = rng.integers(0, 256, (n, half), dtype=np.uint8)
+    packed[:256] = np.arange(256, dtype=np.uint8)[:, None]  # every byte value
+    scale = rng.integers(1, 255, (n, 2 * half // 32), dtype=np.uint8)
+    scale[:254, 0] = np.arange(1, 255)  # every valid scale byte, extremes included
+    dst = np.empty((2 * half, n), BF16)
+    _dequant_into(dst, packed, scale)
+    np.testing.assert_array_equal(bits(dst), bits(dequantize_reference(packed, scale)))
