@@ -181,6 +181,7 @@ class WeightDMA:
     bytes: int
     slot: int
     phase: int          # index of the consuming Phase
+    issue_after: int = -1   # a phase that must end before this DMA may be issued (mk.sim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +199,17 @@ class Phase:
     collective_phases: int = 0
     dmas: tuple[int, ...] = ()
     expert_dmas: int = 0             # routed-expert bytes fetched for this phase (expected value)
+    # Optional hints read by mk.sim (see its docstring); the kernel's plans leave the defaults.
+    writeback_bytes: int = 0
+    dtype: str = "bf16"
+    link: str = "ici"
+    pipelined: bool = False
+    expert_count: float = 0.0
+    expert_slots: tuple[int, ...] = ()
+    expert_issue_after: int = -1
+    kernel: str | None = None
+    sublayer: str | None = None
+    fixed_s: float = 0.0
 
 
 # Rows of the per-layer vector table. KDA / MLA / MoE rows are unused (zero) in other layers.

@@ -88,42 +88,8 @@ class SimError(UserError, ValueError):
 # ------------------------------------------------------------------------------------------------
 # Plan-like objects (for plans built here and for tests)
 # ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class WeightDMA:
-    index: int
-    layer: int
-    tensor: str
-    tile: int
-    bytes: int
-    slot: int
-    phase: int
-    issue_after: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class Phase:
-    index: int
-    layer: int
-    name: str
-    kind: str
-    flops: int = 0
-    rows: int = 0
-    vector_bytes: int = 0
-    hbm_bytes: int = 0
-    collective_bytes: int = 0
-    collective_phases: int = 0
-    dmas: tuple[int, ...] = ()
-    expert_dmas: int = 0
-    writeback_bytes: int = 0
-    dtype: str = "bf16"
-    link: str = "ici"
-    pipelined: bool = False
-    expert_count: float = 0.0
-    expert_slots: tuple[int, ...] = ()
-    expert_issue_after: int = -1
-    kernel: str | None = None
-    sublayer: str | None = None
-    fixed_s: float = 0.0
+# One definition of the schedule records, shared with the kernel's plans.
+from mk.plan import Phase, WeightDMA  # noqa: E402
 
 
 @dataclasses.dataclass
