@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: run test venv demo clean
+.PHONY: run test venv demo clean browser
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,18 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-run: $(STAMP)
+# PNG figures need a headless browser for kaleido; best effort (root + apt), else figures are HTML.
+browser:
+	@if [ ! -x /usr/bin/chromium-headless-shell ] && [ ! -x /usr/bin/chromium ] && [ -z "$$BROWSER_PATH" ] \
+	    && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's chromium-headless-shell (PNG figures via kaleido)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq chromium-headless-shell >/dev/null 2>&1 \
+	  || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium-headless-shell >/dev/null 2>&1; } \
+	  || echo "could not install chromium-headless-shell: figures will be written as HTML"; \
+	fi
+
+run: $(STAMP) browser
 	$(PY) -m mk notebooks --out runs/$$(date +%Y%m%d-%H%M%S)
 
 demo: $(STAMP)

@@ -4,7 +4,8 @@
 
 For every `notebooks/NN_*.ipynb`: DIR/<name>.ipynb (executed), DIR/<name>.html, and the figures the
 notebook saved with `save_figure` under DIR/figures/ (PNG through kaleido when a headless browser
-is available, i.e. env BROWSER_PATH points at an existing file, else standalone HTML). A failing
+is available: env BROWSER_PATH, else Debian's /usr/bin/chromium-headless-shell or chromium; otherwise
+standalone HTML). A failing
 notebook makes the run exit non-zero, naming the notebook and the failing cell.
 
 Notebooks find the figure folder through the env var `MK_NOTEBOOK_FIGURES` (unset: figures are only
@@ -21,9 +22,19 @@ FIGURES_ENV = "MK_NOTEBOOK_FIGURES"
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 
+BROWSER_CANDIDATES = ("/usr/bin/chromium-headless-shell", "/usr/bin/chromium")
+
+
 def _browser() -> str | None:
+    """The headless browser kaleido should drive (exported as BROWSER_PATH), or None."""
     path = os.environ.get("BROWSER_PATH")
-    return path if path and os.path.exists(path) else None
+    if path and os.path.exists(path):
+        return path
+    for path in BROWSER_CANDIDATES:
+        if os.path.exists(path):
+            os.environ["BROWSER_PATH"] = path
+            return path
+    return None
 
 
 def save_figure(fig, name: str, out_dir: str | os.PathLike | None = None) -> str | None:
@@ -103,6 +114,7 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
             if only and not any(o in nb.name for o in only):
                 continue
             target = out / nb.name
+            print(f"[{len(results) + 1}] {nb.name} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             err = None
             try:

@@ -22,12 +22,26 @@ def _literal(text: str):
         return text
 
 
+def _summarize_outputs(out):
+    from pathlib import Path
+    from mk.notebook_runner import _browser
+    out = Path(out)
+    figs = out / "figures"
+    png = sorted(figs.glob("*.png")) if figs.is_dir() else []
+    html = sorted(figs.glob("*.html")) if figs.is_dir() else []
+    browser = _browser()
+    how = f"PNG via kaleido + {browser}" if browser else "no headless browser found: HTML figures"
+    print(f"figures: {len(png)} PNG, {len(html)} HTML in {figs} ({how})")
+    print(f"executed notebooks + HTML exports: {out}")
+
+
 def run(args) -> int:
     from mk.notebook_runner import run_all
     params = {k: _literal(v) for k, v in args.parameter}
     results = run_all(args.out, params, only=args.only, html=not args.no_html)
     for r in results:
         print(f"{r['notebook']:<32} {r['seconds']:7.1f} s  {'ok' if r['ok'] else 'FAILED'}")
+    _summarize_outputs(args.out)
     failed = [r for r in results if not r["ok"]]
     for r in failed:
         print(f"error: {r['error']}", file=sys.stderr)
