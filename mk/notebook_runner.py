@@ -107,6 +107,9 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
     env_before = os.environ.get(FIGURES_ENV)
     os.environ[FIGURES_ENV] = str(figs.resolve())
     repo = str(NOTEBOOK_DIR.parent)
+    # plotly's default renderer in a papermill kernel emits only its own mimetype, which the HTML
+    # export cannot show; add an HTML rendering (plotly.js from its CDN) beside it.
+    os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype+notebook_connected")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
     results = []
     try:
