@@ -97,8 +97,9 @@ def export_html(nb_path: Path, html_path: Path):
 
 
 def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[str] | None = None,
-            html: bool = True, timeout: int = 900) -> list[dict]:
-    """Execute every notebook into `out`; returns [{notebook, seconds, ok, error}]."""
+            html: bool = True, timeout: int = 900, directory: str | os.PathLike | None = None) -> list[dict]:
+    """Execute every notebook (of `directory`, default notebooks/) into `out`;
+    returns [{notebook, seconds, ok, error}]."""
     import papermill as pm
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,7 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
     results = []
     try:
-        for nb in notebooks():
+        for nb in notebooks(directory):
             if only and not any(o in nb.name for o in only):
                 continue
             target = out / nb.name

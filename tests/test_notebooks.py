@@ -1,0 +1,62 @@
+"""The notebooks as committed (no stale outputs, a parameters cell) and the headless runner."""
+import json
+import os
+
+import nbformat
+import pytest
+
+from mk import notebook_runner
+from mk.notebook_runner import NOTEBOOK_DIR, notebooks, run_all, save_figure
+
+NBS = notebooks()
+
+
+def test_there_are_four_notebooks():
+    assert [p.name[:2] for p in NBS] == ["01", "02", "03", "04"]
+
+
+@pytest.mark.parametrize("path", NBS, ids=lambda p: p.name)
+def test_committed_without_outputs_and_with_parameters(path):
+    nb = nbformat.read(str(path), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), \
+        f"{path.name} carries stale outputs: clear them before committing"
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1, f"{path.name}: exactly one cell tagged 'parameters'"
+    assert "checkpoint" in params[0].source, f"{path.name}: no `checkpoint` parameter"
+    assert sum(c.cell_type == "markdown" for c in nb.cells) >= 3, f"{path.name}: too little prose"
+
+
+def _tiny_notebook(path, body):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    p = nbformat.v4.new_code_cell("x = 1")
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [p, nbformat.v4.new_code_cell(body)]
+    nbformat.write(nb, str(path))
+
+
+def test_runner_names_failing_notebook_and_cell(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _tiny_notebook(src / "01_ok.ipynb", "print(x + 1)")
+    _tiny_notebook(src / "02_bad.ipynb", "raise RuntimeError('boom ' + str(x))")
+    res = run_all(tmp_path / "out", {"x": 41}, directory=src)
+    ok, bad = res
+    assert ok["ok"] and (tmp_path / "out" / "01_ok.ipynb").exists() and (tmp_path / "out" / "01_ok.html").exists()
+    out = nbformat.read(str(tmp_path / "out" / "01_ok.ipynb"), as_version=4)
+    assert any("42" in o.get("text", "") for c in out.cells for o in c.get("outputs", []))  # parameter injected
+    assert not bad["ok"] and "02_bad.ipynb" in bad["error"] and "cell" in bad["error"]
+    assert "RuntimeError: boom 41" in bad["error"]
+
+
+def test_save_figure_falls_back_to_html_without_browser(tmp_path, monkeypatch):
+    go = pytest.importorskip("plotly.graph_objects")
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-browser"))
+    monkeypatch.setattr(notebook_runner, "BROWSER_CANDIDATES", ())
+    fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
+    path = save_figure(fig, "fig", tmp_path / "figs")
+    assert path.endswith("fig.html") and os.path.getsize(path) > 0
+    monkeypatch.delenv(notebook_runner.FIGURES_ENV, raising=False)
+    assert save_figure(fig, "fig") is None  # no folder: inline only
