@@ -160,6 +160,19 @@ SYSTEM_LAYOUTS = {"tpu-v7x16": SEED_TPU_LAYOUT, "gb200x16": GB200_LAYOUT}
 SYSTEM_FORMATS = {"tpu-v7x16": TPU_SEED_FORMATS, "gb200x16": GPU_MXFP4_FORMATS}
 
 
+def fit_layout(layout: ParallelLayout, cfg: K3Config) -> ParallelLayout:
+    """`layout` with each split shrunk to the largest divisor of what it splits (gcd): a smaller
+    model (e.g. `mini`, 2 heads) on the seed's 32-device system replicates what it cannot split.
+    Returns `layout` itself when it already fits `cfg`."""
+    fitted = dataclasses.replace(layout, tp_attn=math.gcd(layout.tp_attn, cfg.heads),
+                                 ep=math.gcd(layout.ep, cfg.experts),
+                                 tp_expert=math.gcd(layout.tp_expert, cfg.expert_hidden))
+    if fitted == layout:
+        return layout
+    return dataclasses.replace(fitted, name=f"{layout.name} (fitted to the model: TP{fitted.tp_attn} "
+                                            f"attention, EP{fitted.ep} x TP{fitted.tp_expert} experts)")
+
+
 def as_layout(obj: Any, style: str | None = None) -> ParallelLayout:
     """A ParallelLayout from any object with chips/cores_per_chip/tp_attn/ep/tp_expert
     (e.g. `mk.plan.Layout`)."""

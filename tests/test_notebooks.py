@@ -60,3 +60,35 @@ def test_save_figure_falls_back_to_html_without_browser(tmp_path, monkeypatch):
     assert path.endswith("fig.html") and os.path.getsize(path) > 0
     monkeypatch.delenv(notebook_runner.FIGURES_ENV, raising=False)
     assert save_figure(fig, "fig") is None  # no folder: inline only
+
+
+def test_notebook_model_defaults_to_mini_through_a_synthetic_checkpoint():
+    import numpy as np
+
+    from mk import synth
+    from mk.notebook import load_model, model_config, model_name
+
+    assert model_config() == model_config("mini") and model_name() == "mini"   # CPU backend default
+    m = load_model(seed=3)
+    assert m.name == "mini" and "synthetic checkpoint" in m.source
+    expect = synth.quantized_params(m.cfg, 3)          # what the synthetic checkpoint holds
+    got = np.asarray(m.params["embed"]).view(np.uint16)
+    assert np.array_equal(got, np.asarray(expect["embed"]).view(np.uint16))
+    cfg, params = m                                     # unpacks like (cfg, params)
+    assert cfg is m.cfg and params is m.params
+
+
+def test_notebook_model_from_a_checkpoint_dir(tmp_path):
+    from mk import synth
+    from mk.checkpoint import CheckpointError
+    from mk.config import get_config
+    from mk.notebook import load_model, model_config, model_name
+
+    cfg = get_config("mini").replace(layers=4, full_attention=(3,))
+    synth.write_checkpoint(cfg, tmp_path / "tiny-k3", seed=1)
+    assert model_config("k3", tmp_path / "tiny-k3") == cfg        # the checkpoint overrides `config`
+    assert model_name(None, tmp_path / "tiny-k3") == "tiny-k3"
+    m = load_model("k3", tmp_path / "tiny-k3")
+    assert m.cfg == cfg and m.name == "tiny-k3" and str(tmp_path) in m.source
+    with pytest.raises(CheckpointError, match="missing: checkpoint directory not found"):
+        load_model(None, tmp_path / "missing")

@@ -242,3 +242,13 @@ def test_mini_config_accounting_runs():
     lay = rl.ParallelLayout(1, 1, 1, 1, 1, "tpu")
     r = rl.roofline(cfg, 2, 256, layout=lay, system="tpu-v7x16")
     assert r.total_bytes > 0 and r.experts_per_layer <= cfg.experts
+
+
+def test_fit_layout_shrinks_the_seed_layout_to_a_small_model():
+    assert rl.fit_layout(rl.SEED_TPU_LAYOUT, K3) is rl.SEED_TPU_LAYOUT       # K3 fits as is
+    mini = get_config("mini")                                               # 2 heads, 16 experts
+    with pytest.raises(rl.RooflineError, match="tp_attn=32 does not divide heads=2"):
+        rl.roofline(mini, 1, 256, system="tpu-v7x16")
+    lay = rl.fit_layout(rl.SEED_TPU_LAYOUT, mini)
+    assert (lay.devices, lay.tp_attn, lay.ep, lay.tp_expert) == (32, 2, 8, 4) and "fitted" in lay.name
+    assert rl.roofline(mini, 1, 256, layout=lay, system="tpu-v7x16").total_bytes > 0
