@@ -62,7 +62,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     r_cache = reference.init_cache(cfg, batch, ctx)
     n_calls = count_pallas_calls(lambda c, t: step_fn(None, c, t), k_cache, jnp.asarray(prompt[:, 0]))
     worst, scale, greedy, races, nan, cache_err = 0.0, [], True, 0, False, 0.0
-    per_step = []
+    per_step, flips = [], []
     tokens = jnp.asarray(prompt[:, 0])
     t0 = time.perf_counter()
     it = range(steps)
@@ -81,8 +81,12 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         nan |= bool(np.isnan(k_logits).any())
         worst = max(worst, err)
         scale.append(float(np.std(r_logits)))
-        same = bool((k_logits.argmax(-1) == r_logits.argmax(-1)).all())
+        k_arg, r_arg = k_logits.argmax(-1), r_logits.argmax(-1)
+        same = bool((k_arg == r_arg).all())
         greedy &= same
+        for row in np.flatnonzero(k_arg != r_arg):   # how close the reference itself was to a tie
+            flips.append({"step": s, "row": int(row), "ref_margin":
+                          float(r_logits[row, r_arg[row]] - r_logits[row, k_arg[row]])})
         c_err = max(float(jnp.max(jnp.abs(k_cache[n].astype(jnp.float32) - r_cache[n].astype(jnp.float32))))
                     for n in ("kda_state", "conv_state", "mla_k", "mla_v"))
         cache_err = max(cache_err, c_err)
@@ -93,7 +97,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     return {
         "config": plan.config_name(), "batch": batch, "steps": steps, "prefetch_depth": plan.prefetch_depth,
         "num_slots": plan.num_slots, "max_abs_logit_err": worst, "logit_scale": float(np.mean(scale)),
-        "greedy_match": greedy, "cache_max_abs_err": cache_err, "races": races, "nan": nan,
+        "greedy_match": greedy, "greedy_flips": flips, "cache_max_abs_err": cache_err, "races": races, "nan": nan,
         "pallas_calls_per_step": n_calls, "dma_execution_mode": dma_execution_mode,
         "detect_races": detect_races, "mode": "compiled (TPU)" if on_tpu() else "TPU interpret mode (CPU)",
         "wall_s": elapsed, "per_step": per_step,

@@ -4,7 +4,10 @@ Tolerances: logits are fp32 but depend on hundreds of bf16 roundings; the kernel
 reference's rounding points and order (most steps are bit-exact), but an occasional fp32 sum
 order difference (online vs one-pass softmax in MLA, per-head vs batched reductions) flips one
 bf16 rounding, which then propagates. One bf16 ulp at |x| ~ 4 is 2^-6 = 0.016; we allow a few:
-logits within 0.1 (logit std ~ 1), caches within 0.1, greedy tokens identical, no NaN, no race.
+logits within 0.1 (logit std ~ 1), caches within 0.1, no NaN, no race, and greedy tokens identical
+except at near-ties: a row whose reference top-2 gap is under NEAR_TIE (3 bf16 ulps at |x| ~ 4)
+may flip (the reference itself would flip there under one rounding change); anywhere else a
+different greedy token fails the test.
 """
 import pytest
 
@@ -14,6 +17,7 @@ from mk.plan import DEFAULT_PREFETCH_DEPTH
 
 LOGIT_TOL = 0.1
 CACHE_TOL = 0.1
+NEAR_TIE = 0.05
 
 # Every batch size, every prefetch depth (0 = no overlap, 1, the default), 8 decode steps each.
 CASES = [(1, 0), (1, DEFAULT_PREFETCH_DEPTH), (2, 1), (4, DEFAULT_PREFETCH_DEPTH), (8, 0),
@@ -30,7 +34,8 @@ def mini():
 def _assert_close(res):
     assert res["races"] == 0, res
     assert not res["nan"], res
-    assert res["greedy_match"], res["per_step"]
+    assert all(f["ref_margin"] < NEAR_TIE for f in res["greedy_flips"]), res["greedy_flips"]
+    assert len(res["greedy_flips"]) <= 1, res["greedy_flips"]     # a near-tie is rare, not routine
     assert res["max_abs_logit_err"] <= LOGIT_TOL, res["per_step"]
     assert res["cache_max_abs_err"] <= CACHE_TOL, res["per_step"]
     assert 0.5 < res["logit_scale"] < 5.0                          # tolerance is relative to this
