@@ -36,8 +36,8 @@ tensors are streamed in row chunks of at most `CHUNK_BYTES`): arrays are preallo
 filled in place, and handed to JAX without a copy (CPU) at the end. The tensors of a layer are
 filled by a small thread pool (`threads`, default 2; numpy copies and XLA release the GIL), big
 bf16 transposes and MXFP4 dequantization run as small XLA programs (XLA's tiled transpose is
-several times faster than numpy's strided copy), and the shards of the next layer are prefetched
-with posix_fadvise(WILLNEED). Benchmark: `python -m mk load DIR --bench [--cold] --json`.
+several times faster than numpy's strided copy), and a `ShardStreamer` thread reads the shards
+into the page cache ahead of the conversion (cold loads overlap storage reads with conversion). Benchmark: `python -m mk load DIR --bench [--cold] --json`.
 
 Every read goes through `Checkpoint.read(name, rows=..., cols=...)`, which uses safetensors'
 memory-mapped `get_slice`, so a tensor/expert-parallel loader can fetch only the byte ranges one
@@ -523,12 +523,11 @@ class Checkpoint:
         bar = tqdm(total=len(groups), desc=f"loading {os.path.basename(self.path.rstrip('/'))}",
                    unit="layer", disable=not progress, leave=False)
         pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+        order = list(groups.values())
+        streamer = ShardStreamer(self.path, self._shard_order(order))
         try:
-            order = list(groups.values())
-            self._prefetch(order[0])
             for gi, items in enumerate(order):
-                if gi + 1 < len(order):
-                    self._prefetch(order[gi + 1])
+                streamer.consumer_at(self._shards_of(items))
                 if pool is None:
                     for e in items:
                         self._fill(tree, e, experts)
@@ -537,30 +536,30 @@ class Checkpoint:
                         fut.result()
                 bar.update(1)
         finally:
+            streamer.stop()
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
             bar.close()
         return as_jax(tree) if to_jax else tree
 
-    def _prefetch(self, entries: "Sequence[Entry]"):
-        """Ask the kernel to read ahead the shards the next layer needs (once per shard), so a
-        cold page cache fills while this layer is converted."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        done = self.__dict__.setdefault("_prefetched", set())
-        for e in entries:
-            for src in e.sources:
-                shard = self.weight_map[src.name]
-                if shard not in done:
-                    done.add(shard)
-                    try:
-                        fd = os.open(os.path.join(self.path, shard), os.O_RDONLY)
-                        try:
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                        finally:
-                            os.close(fd)
-                    except OSError:
-                        pass
+    def _shards_of(self, entries: "Sequence[Entry]") -> list[str]:
+        return [self.weight_map[src.name] for e in entries for src in e.sources]
+
+    def _shard_order(self, groups: "Sequence[Sequence[Entry]]") -> list[str]:
+        """Shard files in the order the groups first need them."""
+        seen: dict[str, None] = {}
+        for items in groups:
+            for shard in self._shards_of(items):
+                seen.setdefault(shard, None)
+        return list(seen)
+
+    def _valid_scale(self, ssrc: Source) -> np.ndarray:
+        scale = self.read(ssrc.name)
+        pos = bad_scale_position(scale)
+        if pos is not None:
+            raise ScaleByteError(f"{self.file_of(ssrc.name)}: tensor '{ssrc.name}' has E8M0 scale byte "
+                                 f"{int(scale[pos])} at [{pos[0]}, {pos[1]}] (0 and 255 are invalid)")
+        return scale
 
     def _fill(self, tree: dict, e: Entry, experts: str):
         fam = tree
@@ -597,17 +596,92 @@ class Checkpoint:
 
     def _fill_mxfp4(self, fam, e: Entry, experts: str):
         psrc, ssrc = e.sources
-        scale = self.read(ssrc.name)
-        pos = bad_scale_position(scale)
-        if pos is not None:
-            raise ScaleByteError(f"{self.file_of(ssrc.name)}: tensor '{ssrc.name}' has E8M0 scale byte "
-                                 f"{int(scale[pos])} at [{pos[0]}, {pos[1]}] (0 and 255 are invalid)")
+        scale = self._valid_scale(ssrc)
         packed = self.read(psrc.name)
         if experts == "mxfp4":
             fam["packed"][e.index] = packed
             fam["scale"][e.index] = scale
         else:
             _dequant_into(fam[e.index], packed, scale)
+
+
+class ShardStreamer:
+    """Reads shards ahead of the loader, in the order it needs them, so that a cold page cache
+    fills at the storage's sequential read rate while earlier layers are converted.
+
+    A background thread reads each shard front to back in `CHUNK_BYTES` pieces into one reused
+    buffer (plain `readv`, which releases the GIL), staying at most `lookahead` shards ahead of the
+    shard the loader is on, so a checkpoint bigger than RAM does not evict pages before they are
+    used. Pieces already in the page cache are skipped: three 4 KiB probes with `RWF_NOWAIT`
+    (which fails instead of waiting for storage) tell, so a warm load costs no extra copy.
+    (Measured on this VM: posix_fadvise(WILLNEED) instead of reads overlapped I/O with conversion
+    less well: cold load/raw ratio 0.47-0.50 vs 0.68-0.77.)
+    """
+
+    def __init__(self, directory: str, shards: "Sequence[str]", lookahead: int = 2):
+        self.files = [os.path.join(directory, s) for s in shards]
+        self._rank = {s: i for i, s in enumerate(shards)}
+        self.lookahead = lookahead
+        self._at = 0
+        self._stopped = False
+        self._cv = threading.Condition()
+        self._thread = None
+        self.streamed: list[str] = []   # files fully read ahead (or found cached), in order
+        if self.files:
+            self._thread = threading.Thread(target=self._run, name="mk-shard-streamer", daemon=True)
+            self._thread.start()
+
+    def consumer_at(self, shards: "Iterable[str]"):
+        """The loader now reads these shards: let the streamer run `lookahead` past the last."""
+        at = max((self._rank[s] for s in shards if s in self._rank), default=0)
+        with self._cv:
+            if at > self._at:
+                self._at = at
+                self._cv.notify()
+
+    def stop(self):
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    @staticmethod
+    def _cached(fd: int, off: int, n: int, probe: bytearray) -> bool:
+        flag = getattr(os, "RWF_NOWAIT", None)
+        if flag is None or not hasattr(os, "preadv"):
+            return False
+        try:
+            return all(os.preadv(fd, [probe], p, flag) > 0
+                       for p in (off, off + n // 2, max(off, off + n - len(probe))))
+        except OSError:  # EAGAIN: not in the page cache (or the flag is unsupported here)
+            return False
+
+    def _run(self):
+        buf, probe = bytearray(CHUNK_BYTES), bytearray(4096)
+        for i, file in enumerate(self.files):
+            with self._cv:
+                while not self._stopped and i > self._at + self.lookahead:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+            try:
+                fd = os.open(file, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                for off in range(0, size, CHUNK_BYTES):
+                    if self._stopped:
+                        return
+                    n = min(CHUNK_BYTES, size - off)
+                    if not self._cached(fd, off, n, probe):
+                        os.preadv(fd, [memoryview(buf)[:n]], off)
+                self.streamed.append(file)
+            except OSError:
+                pass  # the loader itself reports unreadable shards
+            finally:
+                os.close(fd)
 
 
 def _row_chunks(shape: Sequence[int], itemsize: int) -> list[slice]:

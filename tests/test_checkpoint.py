@@ -362,3 +362,29 @@ def test_shapes_and_dtypes_checked_before_any_read(ckpt, tmp_path, monkeypatch):
     with pytest.raises(ck.TensorDtypeError):
         ck.load(path, progress=False)
     assert reads == []
+
+
+def test_shard_streamer_reads_in_order_and_stays_within_lookahead(tmp_path):
+    import time
+    from mk.checkpoint import ShardStreamer
+
+    names = ["a.safetensors", "b.safetensors", "c.safetensors"]
+    for n in names:
+        (tmp_path / n).write_bytes(os.urandom(3 << 20))
+
+    def wait_for(cond):
+        t = time.time()
+        while not cond() and time.time() - t < 10:
+            time.sleep(0.01)
+        return cond()
+
+    st = ShardStreamer(str(tmp_path), names, lookahead=0)
+    try:
+        assert wait_for(lambda: len(st.streamed) == 1)
+        time.sleep(0.2)
+        assert st.streamed == [str(tmp_path / "a.safetensors")]       # waits for the loader
+        st.consumer_at(["b.safetensors"])
+        assert wait_for(lambda: len(st.streamed) == 2)
+    finally:
+        st.stop()
+    assert not st._thread.is_alive() and [os.path.basename(f) for f in st.streamed] == names[:2]
