@@ -85,9 +85,19 @@ def _quantize_tree(cfg, seed, params):
     q = {}
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in params.items()}
     for w in EXPERT_FAMILIES:
-        packed, scale = quantize_mxfp4(params["moe"][w])
+        # One MoE layer at a time: the fp32 intermediates stay one layer's size (a 1.4 GB
+        # checkpoint otherwise needed ~16 GB of host memory to write).
+        fam = params["moe"][w]                                  # [n_moe, E, K, N]
+        K, N = fam.shape[-2:]
+        packed = np.empty((*fam.shape[:-2], N, K // 2), np.uint8)
+        scale = np.empty((*fam.shape[:-2], N, K // MX_GROUP), np.uint8)
+        deq = np.empty(fam.shape, BF16)
+        for m in range(fam.shape[0]):
+            packed[m], scale[m] = quantize_mxfp4(fam[m])
+            deq[m] = dequantize_reference(packed[m], scale[m])
         q[w] = (packed, scale)
-        out["moe"][w] = jnp.asarray(dequantize_reference(packed, scale))
+        out["moe"][w] = jnp.asarray(deq)
+        del deq
     return out, q
 
 
