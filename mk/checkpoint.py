@@ -37,7 +37,8 @@ filled in place, and handed to JAX without a copy (CPU) at the end. The tensors 
 filled by a small thread pool (`threads`, default 2; numpy copies and XLA release the GIL), big
 bf16 transposes and MXFP4 dequantization run as small XLA programs (XLA's tiled transpose is
 several times faster than numpy's strided copy), and a `ShardStreamer` thread reads the shards
-into the page cache ahead of the conversion (cold loads overlap storage reads with conversion). Benchmark: `python -m mk load DIR --bench [--cold] --json`.
+into the page cache ahead of the conversion (cold loads overlap storage reads with conversion).
+Benchmark: `python -m mk load DIR --bench [--cold] --json`.
 
 Every read goes through `Checkpoint.read(name, rows=..., cols=...)`, which uses safetensors'
 memory-mapped `get_slice`, so a tensor/expert-parallel loader can fetch only the byte ranges one
@@ -605,6 +606,9 @@ class Checkpoint:
             _dequant_into(fam[e.index], packed, scale)
 
 
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: a read that fails rather than wait for storage
+
+
 class ShardStreamer:
     """Reads shards ahead of the loader, in the order it needs them, so that a cold page cache
     fills at the storage's sequential read rate while earlier layers are converted.
@@ -627,7 +631,7 @@ class ShardStreamer:
         self._cv = threading.Condition()
         self._thread = None
         self.streamed: list[str] = []   # files fully read ahead (or found cached), in order
-        if self.files:
+        if self.files and hasattr(os, "preadv"):  # read-ahead is an optimisation: none without preadv
             self._thread = threading.Thread(target=self._run, name="mk-shard-streamer", daemon=True)
             self._thread.start()
 
@@ -648,11 +652,10 @@ class ShardStreamer:
 
     @staticmethod
     def _cached(fd: int, off: int, n: int, probe: bytearray) -> bool:
-        flag = getattr(os, "RWF_NOWAIT", None)
-        if flag is None or not hasattr(os, "preadv"):
+        if _RWF_NOWAIT is None:
             return False
         try:
-            return all(os.preadv(fd, [probe], p, flag) > 0
+            return all(os.preadv(fd, [probe], p, _RWF_NOWAIT) > 0
                        for p in (off, off + n // 2, max(off, off + n - len(probe))))
         except OSError:  # EAGAIN: not in the page cache (or the flag is unsupported here)
             return False

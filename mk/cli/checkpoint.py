@@ -14,8 +14,8 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import statistics
+import sys
 import time
 
 from mk.config import ConfigError
@@ -182,14 +182,14 @@ def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1, c
         del tree
         gc.collect()
     r, s = min(raw_s), min(load_s)
+    ratios = [a / b for a, b in zip(raw_s, load_s)]
     out_bytes = nbytes(abstract_params(path, experts=experts))
     return {"path": os.fspath(path), "bytes": total, "shards": len(files), "experts": experts,
             "threads": threads, "seconds": s, "gb_per_s": total / s / 1e9,
             "raw_read_seconds": r, "raw_read_gb_per_s": total / r / 1e9,
             "ratio": (total / s) / (total / r), "output_bytes": out_bytes, "repeat": repeat,
             "seconds_all": load_s, "raw_read_seconds_all": raw_s,
-            "ratio_per_repeat": [a / b for a, b in zip(raw_s, load_s)],
-            "ratio_median": statistics.median(a / b for a, b in zip(raw_s, load_s)),
+            "ratio_per_repeat": ratios, "ratio_median": statistics.median(ratios),
             "cache": ("cold: page cache dropped before each timed raw read and each timed load" if cold else
                       "warm: untimed raw read first, then per repeat a timed raw read and a timed load")}
 
