@@ -5,8 +5,13 @@
 For every `notebooks/NN_*.ipynb`: DIR/<name>.ipynb (executed), DIR/<name>.html, and the figures the
 notebook saved with `save_figure` under DIR/figures/ (PNG through kaleido when a headless browser
 is available: env BROWSER_PATH, else Debian's /usr/bin/chromium-headless-shell or chromium; otherwise
-standalone HTML). A failing
-notebook makes the run exit non-zero, naming the notebook and the failing cell.
+standalone HTML that loads plotly.min.js from the same folder). A failing
+notebook makes the run exit non-zero, naming the notebook and the failing cell. Every notebook
+asserts the claims it prints, so "failing" includes "a verdict did not hold".
+
+The HTML exports work offline: figures are rendered by plotly's `notebook` renderer, which embeds
+plotly.js once per notebook (no CDN). Kernels talk to the runner over IPC sockets (not TCP), so
+ipykernel has no unencrypted-TCP warning to print.
 
 Notebooks find the figure folder through the env var `MK_NOTEBOOK_FIGURES` (unset: figures are only
 shown inline, nothing is written).
@@ -53,8 +58,21 @@ def save_figure(fig, name: str, out_dir: str | os.PathLike | None = None) -> str
         except Exception as e:  # kaleido / browser trouble: fall back to HTML
             print(f"save_figure: PNG export failed ({type(e).__name__}: {e}); writing HTML", file=sys.stderr)
     path = d / f"{name}.html"
-    fig.write_html(str(path), include_plotlyjs="cdn")
+    fig.write_html(str(path), include_plotlyjs="directory")   # one plotly.min.js beside them: works offline
     return str(path)
+
+
+def _ipc_kernel_manager():
+    """An nbclient kernel manager whose kernel listens on local IPC sockets instead of TCP ports
+    (nothing to eavesdrop on, so ipykernel does not warn about unencrypted TCP)."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        def __init__(self, **kw):
+            kw.setdefault("transport", "ipc")
+            super().__init__(**kw)
+
+    return IPCKernelManager
 
 
 def notebooks(directory: str | os.PathLike | None = None) -> list[Path]:
@@ -97,9 +115,13 @@ def export_html(nb_path: Path, html_path: Path):
 
 
 def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[str] | None = None,
-            html: bool = True, timeout: int = 900, directory: str | os.PathLike | None = None) -> list[dict]:
+            html: bool = True, timeout: int = 900, directory: str | os.PathLike | None = None,
+            root: str | os.PathLike | None = None) -> list[dict]:
     """Execute every notebook (of `directory`, default notebooks/) into `out`;
-    returns [{notebook, seconds, ok, error}]."""
+    returns [{notebook, seconds, ok, error}].
+
+    `root`: the folder holding the `mk` package (and `data/`) the notebooks import, first on the
+    kernel's PYTHONPATH and its working directory (default: this repository)."""
     import papermill as pm
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,11 +129,14 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
     kernel = _kernel_name()
     env_before = os.environ.get(FIGURES_ENV)
     os.environ[FIGURES_ENV] = str(figs.resolve())
-    repo = str(NOTEBOOK_DIR.parent)
+    repo = str(Path(root).resolve() if root else NOTEBOOK_DIR.parent)
+    saved = {k: os.environ.get(k) for k in ("PLOTLY_RENDERER", "PYTHONPATH")}
     # plotly's default renderer in a papermill kernel emits only its own mimetype, which the HTML
-    # export cannot show; add an HTML rendering (plotly.js from its CDN) beside it.
-    os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype+notebook_connected")
+    # export cannot show; add an HTML rendering beside it. `notebook` (not `notebook_connected`)
+    # embeds plotly.js once, in the first figure's output, so the export renders offline.
+    os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype+notebook")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+    manager = _ipc_kernel_manager()
     results = []
     try:
         for nb in notebooks(directory):
@@ -123,7 +148,8 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
             err = None
             try:
                 pm.execute_notebook(str(nb), str(target), parameters=parameters or {}, kernel_name=kernel,
-                                    cwd=repo, progress_bar=False, execution_timeout=timeout)
+                                    cwd=repo, progress_bar=False, execution_timeout=timeout,
+                                    kernel_manager_class=manager)
             except Exception as e:  # papermill raises PapermillExecutionError with the cell
                 err = f"{nb.name}: {_failing_cell(target) if target.exists() else e}"
             secs = time.perf_counter() - t0
@@ -134,8 +160,9 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
                     err = err or f"{nb.name}: HTML export failed: {e}"
             results.append({"notebook": nb.name, "seconds": round(secs, 1), "ok": err is None, "error": err})
     finally:
-        if env_before is None:
-            os.environ.pop(FIGURES_ENV, None)
-        else:
-            os.environ[FIGURES_ENV] = env_before
+        for k, v in {FIGURES_ENV: env_before, **saved}.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return results

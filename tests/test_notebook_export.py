@@ -1,0 +1,100 @@
+"""The runner's HTML exports render offline, and a run is quiet (no TCP-kernel warning).
+
+A tiny notebook with one plotly figure goes through `run_all` (papermill + nbconvert, as `make run`
+does). Its HTML must embed plotly.js itself, not only load it from a CDN; with a headless browser
+whose every host name fails to resolve (no network), the figure must actually be drawn.
+"""
+import os
+import re
+import shutil
+import subprocess
+
+import nbformat
+import pytest
+
+from mk import notebook_runner
+from mk.notebook_runner import run_all
+
+pytest.importorskip("plotly")
+
+FIGURE = """import plotly.graph_objects as go
+fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[3, 1, 2], name="offline-trace"))
+fig.show()
+fig.show()"""
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    p = nbformat.v4.new_code_cell("x = 1")
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [p, nbformat.v4.new_code_cell(FIGURE)]
+    nbformat.write(nb, str(src / "01_fig.ipynb"))
+    out = tmp_path_factory.mktemp("out")
+    env = {k: os.environ.pop(k) for k in ("PLOTLY_RENDERER",) if k in os.environ}   # the runner's default
+    try:
+        res = run_all(out, directory=src)
+    finally:
+        os.environ.update(env)
+    assert res[0]["ok"], res
+    return out / "01_fig.html"
+
+
+def _plotlyjs_head() -> str:
+    from plotly.offline import get_plotlyjs
+    return get_plotlyjs()[:2000]
+
+
+def test_export_embeds_plotlyjs_once(export):
+    html = export.read_text(encoding="utf-8")
+    head = _plotlyjs_head()
+    assert html.count(head) == 1, "the HTML export must carry plotly.js itself, exactly once"
+    assert not re.search(r'import\s*\\?"https://cdn\.plot\.ly', html), "plotly.js still imported from its CDN"
+    assert html.count("Plotly.newPlot") >= 2      # both figures drawn by the embedded library
+
+
+def test_save_figure_html_fallback_is_offline(tmp_path, monkeypatch):
+    go = pytest.importorskip("plotly.graph_objects")
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-browser"))
+    monkeypatch.setattr(notebook_runner, "BROWSER_CANDIDATES", ())
+    path = notebook_runner.save_figure(go.Figure(go.Bar(x=[1], y=[2])), "f", tmp_path)
+    assert path.endswith("f.html") and (tmp_path / "plotly.min.js").stat().st_size > 1_000_000
+    assert 'src="plotly.min.js"' in open(path).read()
+
+
+def _headless_browser():
+    for p in (os.environ.get("BROWSER_PATH"), *notebook_runner.BROWSER_CANDIDATES, shutil.which("chromium")):
+        if p and os.path.exists(p):
+            return p
+    return None
+
+
+def test_export_renders_without_network(export):
+    browser = _headless_browser()
+    if browser is None:
+        pytest.skip("no headless browser binary (/usr/bin/chromium-headless-shell or chromium; `make browser` "
+                    "installs one): cannot check that the figures render offline")
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--host-resolver-rules=MAP * ~NOTFOUND",          # every host name fails: no network
+           "--virtual-time-budget=20000", "--dump-dom", export.resolve().as_uri()]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert "<body" in dom, "the browser dumped no DOM"
+    svgs = dom.count('class="main-svg"')
+    assert svgs >= 2, f"figures not rendered offline: {svgs} plotly svg roots in the DOM"
+    assert "offline-trace" in dom or 'class="scatterlayer' in dom
+
+
+def test_kernel_talks_ipc_not_tcp(tmp_path, capfd):
+    """ipykernel warns 'Kernel is running over TCP without encryption' on stderr for TCP kernels."""
+    src = tmp_path / "src"
+    src.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import os; print('pid', os.getpid())")]
+    nbformat.write(nb, str(src / "01_q.ipynb"))
+    res = run_all(tmp_path / "out", directory=src, html=False)
+    assert res[0]["ok"], res
+    err = capfd.readouterr().err
+    assert "TCP" not in err and "WARNING" not in err, err
