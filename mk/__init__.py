@@ -11,10 +11,54 @@ import os as _os
 if "xla_allow_excess_precision" not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 
-# On a CPU-only run libtpu (present for deviceless compilation) warns that it cannot find TPU
-# workers; tell it this host is the only one. Real TPU runs (JAX_PLATFORMS unset/tpu) are untouched.
-if _os.environ.get("JAX_PLATFORMS", "") == "cpu":
-    _os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+# Google's PCI vendor id and the TPU chips' device ids (as jax._src.hardware_utils lists them).
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"}
+
+
+def _tpu_attached() -> bool:
+    """Whether this host has a TPU chip (/dev/accel*, or a Google TPU device on the PCI bus).
+    Cheap: no runtime is started."""
+    import glob
+
+    if glob.glob("/dev/accel*"):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() != _GOOGLE_PCI_VENDOR:
+                    continue
+            with open(_os.path.join(_os.path.dirname(vendor), "device")) as f:
+                if f.read().strip() in _TPU_PCI_DEVICES:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _quiet_libtpu_without_tpu() -> None:
+    """libtpu (loaded for deviceless compilation and TPU interpret mode) looks for TPU workers it
+    cannot find on a CPU-only host and logs about it: "could not determine TPU accelerator type"
+    (no host bounds) and "E0000 ... INVALID_ARGUMENT: unexpected worker hostname" (no worker list).
+    Tell it the truth instead of lowering any log level: one host (`TPU_HOST_BOUNDS=1,1,1`), which
+    is this one (`TPU_WORKER_HOSTNAMES=localhost`), no GCE metadata server to ask
+    (`TPU_SKIP_MDS_QUERY=1`). With no chip attached at all there is nothing for libtpu's
+    multi-process lockfile to guard, so several processes may compile deviceless at once
+    (`ALLOW_MULTIPLE_LIBTPU_LOAD=1`). Deviceless topologies are unchanged (same devices and
+    coordinates). Only when JAX_PLATFORMS=cpu or no TPU is attached; values already in the
+    environment win; a TPU VM running on its TPU is left untouched."""
+    attached = _tpu_attached()
+    if attached and _os.environ.get("JAX_PLATFORMS", "") != "cpu":
+        return
+    quiet = {"TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_SKIP_MDS_QUERY": "1"}
+    if not attached:
+        quiet["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    for key, value in quiet.items():
+        _os.environ.setdefault(key, value)
+
+
+_quiet_libtpu_without_tpu()
 
 from mk.config import K3Config, PRESETS, get_config  # noqa: E402
 
