@@ -18,8 +18,10 @@ import statistics
 import sys
 import time
 
+from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, positive_float,
+                           positive_int, progress, token_ids)
 from mk.config import ConfigError
-from mk.errors import UserError
+from mk.errors import UserError, creatable_dir, writable_path
 
 
 def parse_overrides(items) -> dict:
@@ -59,6 +61,7 @@ def _synth(args) -> int:
     from mk.synth import write_checkpoint
 
     cfg = resolve_config(args.config, args.override)
+    creatable_dir(args.out, "--out")
     t = time.perf_counter()
     write_checkpoint(cfg, args.out, seed=args.seed, shard_bytes=int(args.shard_mb * (1 << 20)),
                      progress=not args.no_progress)
@@ -66,16 +69,6 @@ def _synth(args) -> int:
     print(f"wrote {args.out}: {n / 1e9:.3f} GB in {time.perf_counter() - t:.1f} s "
           f"(dim={cfg.dim}, layers={cfg.layers}, experts={cfg.experts}, vocab={cfg.vocab})")
     return 0
-
-
-def _parse_tokens(text: str) -> list[int]:
-    try:
-        toks = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise UserError(f"--tokens: expected comma-separated integers, found {text!r}") from None
-    if not toks:
-        raise UserError("--tokens: no tokens given")
-    return toks
 
 
 def teacher_forced_fn(backend: str):
@@ -95,24 +88,67 @@ def teacher_forced_fn(backend: str):
 
 def _logits(args) -> int:
     import numpy as np
-    from mk.checkpoint import load_with_config
+    from mk.checkpoint import load, load_config
 
     if (args.tokens is None) == (args.text is None):
         raise UserError("logits: give exactly one of --tokens or --text")
+    # everything that can be wrong with the request is checked before the weights are read
+    writable_path(args.out, "--out")
+    tokens = token_ids(args.tokens, "--tokens") if args.tokens is not None else None
     fn = teacher_forced_fn(args.backend)
+    cfg = load_config(args.checkpoint)
     if args.text is not None:
         from mk.tokenizer import Tokenizer
         tokens = Tokenizer(args.checkpoint).encode(args.text, allow_special=True)
+        if not tokens:
+            raise UserError("--text: the text encodes to no tokens")
+    check_vocab(tokens, cfg.vocab, "--tokens" if args.text is None else "--text")
+    params = load(args.checkpoint, progress=not args.no_progress)
+    if args.backend == "kernel":
+        with _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
+            logits = fn(params, cfg, tokens)
     else:
-        tokens = _parse_tokens(args.tokens)
-    cfg, params = load_with_config(args.checkpoint, progress=not args.no_progress)
-    bad = [t for t in tokens if not 0 <= t < cfg.vocab]
-    if bad:
-        raise UserError(f"--tokens: ids {bad[:5]} outside the vocabulary [0, {cfg.vocab})")
-    logits = np.asarray(fn(params, cfg, tokens), np.float32)
+        logits = fn(params, cfg, tokens)
+    logits = np.asarray(logits, np.float32)
     np.save(args.out, logits)
     print(f"wrote {args.out}: float32 logits {list(logits.shape)} ({args.backend})")
     return 0
+
+
+class _kernel_steps_progress:
+    """A progress bar over the kernel's decode steps while `mk.kernel.teacher_forced_logits` runs
+    (interpret mode on CPU takes seconds per token): for the duration, `mk.kernel.make_step_fn`
+    returns step functions that advance the bar. Without a `make_step_fn` (or off a terminal)
+    nothing is wrapped."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.enabled = total, enabled
+        self.bar = self.module = self.original = None
+
+    def __enter__(self):
+        import sys as _sys
+        module = _sys.modules.get("mk.kernel")
+        original = getattr(module, "make_step_fn", None)
+        if original is None:
+            return self
+        self.bar = progress(desc="logits (kernel)", total=self.total, unit="token", enabled=self.enabled)
+        if self.bar.disable:
+            return self
+        bar = self.bar
+
+        def make_step_fn(*a, **kw):
+            return CountingStep(original(*a, **kw), bar)
+
+        self.module, self.original = module, original
+        module.make_step_fn = make_step_fn
+        return self
+
+    def __exit__(self, *exc):
+        if self.module is not None:
+            self.module.make_step_fn = self.original
+        if self.bar is not None:
+            self.bar.close()
+        return False
 
 
 def raw_read(files, chunk: int = 16 << 20) -> int:
@@ -144,7 +180,8 @@ def drop_page_cache(files):
         raise UserError(f"--cold: cannot drop the page cache ({e}); run as root or without --cold") from None
 
 
-def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1, cold: bool = False) -> dict:
+def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1, cold: bool = False,
+               show_progress: bool = False) -> dict:
     """Load time vs raw read time of the same shard files, page cache in the same (warm) state.
 
     Procedure (warm, the default): one untimed raw read of every shard (warms the page cache; the files must fit in
@@ -167,7 +204,8 @@ def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1, c
         files = ck.shard_files
     total = raw_read(files)  # warm-up
     raw_s, load_s = [], []
-    for _ in range(repeat):
+    for _ in progress(range(repeat), desc="bench (raw read + load)", enabled=show_progress and repeat > 1,
+                      unit="repeat"):
         if cold:
             drop_page_cache(files)
         t = time.perf_counter()
@@ -200,7 +238,7 @@ def _load(args) -> int:
 
     if args.bench:
         res = bench_load(args.path, experts=args.experts, threads=args.threads, repeat=args.repeat,
-                         cold=args.cold)
+                         cold=args.cold, show_progress=not args.no_progress)
     else:
         t = time.perf_counter()
         tree = load(args.path, experts=args.experts, progress=not args.no_progress and not args.json,
@@ -227,8 +265,8 @@ def add_parser(subparsers):
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="replace K3Config fields, e.g. dim=1024,layers=16 (repeatable)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-mb", type=float, default=256.0, help="maximum shard size in MiB")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--shard-mb", type=positive_float, default=256.0, help="maximum shard size in MiB")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 
@@ -239,6 +277,7 @@ def add_parser(subparsers):
     p.add_argument("--out", required=True, help=".npy file for the float32 logits")
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
     p.add_argument("--no-progress", action="store_true")
+    add_step_options(p)
     p.set_defaults(func=_logits)
 
     p = subparsers.add_parser("load", help="load a checkpoint (optionally benchmark the load)")
@@ -246,8 +285,8 @@ def add_parser(subparsers):
     p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16")
     p.add_argument("--bench", action="store_true", help="compare with a raw sequential read of the shards")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeat", type=int, default=1, help="--bench: report the best of N")
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--repeat", type=positive_int, default=1, help="--bench: report the best of N")
     p.add_argument("--cold", action="store_true",
                    help="--bench: drop the page cache before each timed read (needs root)")
     p.add_argument("--no-progress", action="store_true")

@@ -18,9 +18,9 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import re
 import sys
 
+from mk.cli.common import CountingStep, add_step_options, check_vocab, nonnegative_int, progress, token_ids
 from mk.errors import UserError
 
 DEFAULT_CONFIG = "mini"
@@ -40,14 +40,10 @@ class BackendError(GenerateError):
 
 def parse_token_list(text: str, option: str = "--prompt-tokens") -> list[int]:
     """'1,2,3' (commas and/or spaces) -> [1, 2, 3]."""
-    parts = [t for t in re.split(r"[,\s]+", text.strip()) if t]
     try:
-        tokens = [int(t) for t in parts]
-    except ValueError:
-        raise PromptError(f"{option}: expected comma-separated integer token ids, found {text!r}") from None
-    if not tokens:
-        raise PromptError(f"{option}: no token ids given")
-    return tokens
+        return token_ids(text, option)
+    except UserError as e:
+        raise PromptError(str(e)) from None
 
 
 def _optional_module(name: str, why: str):
@@ -95,10 +91,10 @@ def _prompt(args, cfg, tokenizer) -> list[int]:
     else:
         tokens = parse_token_list(args.prompt_tokens)
         option = "--prompt-tokens"
-    bad = [t for t in tokens if not 0 <= t < cfg.vocab]
-    if bad:
-        raise PromptError(f"{option}: token id {bad[0]} outside the vocabulary [0, {cfg.vocab})"
-                          + (f" ({len(bad)} ids out of range)" if len(bad) > 1 else ""))
+    try:
+        check_vocab(tokens, cfg.vocab, option)
+    except UserError as e:
+        raise PromptError(str(e)) from None
     return tokens
 
 
@@ -135,9 +131,18 @@ def run(args) -> int:
         params = init(cfg, args.seed)
     step_fn = _step_fn(args, params, cfg, ctx)
     stop_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
-    res = reference.generate(params, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)),
-                             args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                             seed=args.seed, ctx=ctx, step_fn=step_fn, stop_ids=stop_ids)
+    bar = None
+    if step_fn is not None:       # the kernel (interpret mode on CPU) takes seconds per token
+        bar = progress(desc=f"generate ({args.backend})", total=total - 1, unit="step",
+                       enabled=not args.json)
+        step_fn = CountingStep(step_fn, bar)
+    try:
+        res = reference.generate(params, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)),
+                                 args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 seed=args.seed, ctx=ctx, step_fn=step_fn, stop_ids=stop_ids)
+    finally:
+        if bar is not None:
+            bar.close()
     rows = [[int(t) for t in row] for row in np.asarray(res["tokens"])]
     texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
     if args.json:
@@ -165,7 +170,7 @@ def add_parser(subparsers):
                    help=f"preset name or checkpoint directory whose config to use with random weights "
                         f"(default {DEFAULT_CONFIG})")
     p.add_argument("--checkpoint", metavar="DIR", help="load weights (and tokenizer) from a checkpoint")
-    p.add_argument("--seed", type=int, default=0, help="random-weight and sampling seed (default 0)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="random-weight and sampling seed (default 0)")
     p.add_argument("--prompt-tokens", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--prompt", metavar="TEXT", help="prompt text (needs --checkpoint for the tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per row (default 16)")
@@ -176,5 +181,6 @@ def add_parser(subparsers):
                    help="cache capacity, a multiple of 128 (default: >= 256, enough for the run)")
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
     p.add_argument("--json", action="store_true", help="print tokens and timings as one JSON object")
+    add_step_options(p)
     p.set_defaults(func=run)
     return p

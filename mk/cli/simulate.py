@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+from mk.cli.common import positive_int
 from mk.errors import UserError
 
 
@@ -20,7 +21,7 @@ def add_parser(subparsers):
     p.add_argument("--system", default="tpu-v7x16",
                    help="tpu-v7x16 | gb200x16, or both comma-separated (default: tpu-v7x16)")
     p.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes (default: 1,2,4,8)")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--context", type=positive_int, default=None,
                    help="mean attended tokens per sequence (default: 512, the benchmark's mean position)")
     p.add_argument("--mean-experts", action="store_true",
                    help="use the mean distinct experts per device instead of the slowest expert-parallel group")

@@ -1,0 +1,116 @@
+"""Pieces the commands share: argparse value types that reject bad values with a one-line message
+naming the option (argparse adds it: `argument --batch: must be at least 1, found 0`), token-id
+lists, output paths, and progress bars.
+
+Options common to the decode-step commands (check, logits, generate, aot) are added by
+`add_step_options`, so a new one (e.g. a device mesh) is added once for all of them.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+from mk.errors import UserError
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}") from None
+
+
+def at_least(low: int):
+    """argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        v = _int(text)
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, found {v}")
+        return v
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+positive_int = at_least(1)
+nonnegative_int = at_least(0)
+
+
+def ctx_int(text: str) -> int:
+    """argparse type: a cache capacity, a positive multiple of 128."""
+    v = _int(text)
+    if v <= 0 or v % 128:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 128, found {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, found {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, found {text}")
+    return v
+
+
+def int_list(text: str, option: str, low: int = 1) -> list[int]:
+    """'4,24' -> [4, 24]; each at least `low` (UserError naming `option` otherwise)."""
+    parts = [t for t in re.split(r"[,\s]+", text.strip()) if t]
+    try:
+        out = [int(t) for t in parts]
+    except ValueError:
+        raise UserError(f"{option}: expected comma-separated integers, found {text!r}") from None
+    if not out:
+        raise UserError(f"{option}: no values given")
+    bad = [v for v in out if v < low]
+    if bad:
+        raise UserError(f"{option}: values must be at least {low}, found {bad[0]}")
+    return out
+
+
+def token_ids(text: str, option: str) -> list[int]:
+    """'1,2,3' (commas and/or spaces) -> [1, 2, 3]. The vocabulary bound (negative ids too) is
+    checked by `check_vocab` once the config is known, before any weights are read."""
+    parts = [t for t in re.split(r"[,\s]+", text.strip()) if t]
+    try:
+        tokens = [int(t) for t in parts]
+    except ValueError:
+        raise UserError(f"{option}: expected comma-separated integer token ids, found {text!r}") from None
+    if not tokens:
+        raise UserError(f"{option}: no token ids given")
+    return tokens
+
+
+def check_vocab(tokens, vocab: int, option: str) -> None:
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise UserError(f"{option}: token id {bad[0]} outside the vocabulary [0, {vocab})"
+                        + (f" ({len(bad)} ids out of range)" if len(bad) > 1 else ""))
+
+
+def add_step_options(p) -> None:
+    """Options every decode-step command (check, logits, generate, aot) takes. None yet; the place
+    for e.g. a device-mesh option."""
+
+
+def progress(iterable=None, *, desc: str, total: int | None = None, enabled: bool = True, **kw):
+    """A tqdm bar on stderr, shown only on a terminal (`disable=None`) and when `enabled`; stdout
+    (and any JSON on it) stays clean."""
+    from tqdm.auto import tqdm
+    return tqdm(iterable, desc=desc, total=total, leave=False, disable=None if enabled else True, **kw)
+
+
+class CountingStep:
+    """Wraps a `step_fn(params, cache, tokens)` so each call advances a progress bar; attributes
+    (e.g. `.plan`) pass through."""
+
+    def __init__(self, step_fn, bar):
+        self._fn, self._bar = step_fn, bar
+
+    def __call__(self, *args, **kw):
+        out = self._fn(*args, **kw)
+        self._bar.update(1)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)

@@ -1,0 +1,193 @@
+"""Every command turns a bad path, id or value into one line on stderr and exit code 2: no
+traceback, nothing on stdout, and the message names the culprit. Run as the user runs them
+(`python -m mk ...` in a subprocess); each case fails before any heavy work (a few seconds at most).
+
+Also: a CLI run on CPU prints none of libtpu's missing-TPU chatter.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mk.config import get_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = get_config("mini").replace(
+    dim=128, latent=128, expert_hidden=128, dense_hidden=128, experts=4, top_k=2, layers=2, heads=1,
+    q_rank=128, kv_rank=128, vocab=512, residual_block=1, full_attention=(1,))
+
+# Environment variables through which a caller could have silenced libtpu (or the tests' conftest
+# did): removed, so the CLI's own settings are what is tested.
+_QUIETING = ("TPU_", "TF_CPP_", "GRPC_", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_QUIETING)}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def run_mk(*argv, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "mk", *argv], capture_output=True, text=True,
+                          env=env or _env(), cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from mk import synth
+    d = tmp_path_factory.mktemp("ckpt")
+    synth.write_checkpoint(TINY, str(d), seed=1)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory, ckpt):
+    d = tmp_path_factory.mktemp("paths")
+    afile = d / "a_file"
+    afile.write_text("not a directory")
+    no_config = d / "empty_dir"
+    no_config.mkdir()
+    return {"CKPT": ckpt, "FILE": str(afile), "EMPTY": str(no_config), "OUT": str(d / "out"),
+            "MISSING": str(d / "missing"), "NOPARENT": str(d / "missing" / "deeper" / "x.npy")}
+
+
+# (argv, text the one-line message must contain). Placeholders: CKPT (a tiny checkpoint), FILE (a
+# regular file), EMPTY (a directory without config.json), MISSING (a path that does not exist),
+# NOPARENT (a file in a directory that does not exist), OUT (a fresh path).
+CASES = [
+    # top level (argparse)
+    ([], "required: command"),
+    (["bogus"], "invalid choice: 'bogus'"),
+    # generate
+    (["generate", "--config", "nope", "--prompt-tokens", "1"], "unknown config 'nope'"),
+    (["generate", "--config", "EMPTY", "--prompt-tokens", "1"], "EMPTY"),
+    (["generate", "--checkpoint", "MISSING", "--prompt-tokens", "1"], "MISSING"),
+    (["generate", "--prompt-tokens", "-1,5"], "--prompt-tokens: token id -1 outside the vocabulary"),
+    (["generate", "--prompt-tokens=-1,5"], "--prompt-tokens: token id -1 outside the vocabulary"),
+    (["generate", "--prompt-tokens", "1,x"], "--prompt-tokens: expected comma-separated integer token ids"),
+    (["generate", "--prompt-tokens", "1", "--batch", "two"], "argument --batch: invalid int value: 'two'"),
+    (["generate", "--prompt-tokens", "1", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["generate", "--prompt-tokens", "1", "--seed", "-1"], "argument --seed: must be at least 0"),
+    (["generate", "--prompt-tokens", "1", "--backend", "gpu"], "argument --backend: invalid choice"),
+    # check
+    (["check", "--config", "nope"], "unknown config 'nope'"),
+    (["check", "--batch", "0"], "argument --batch: must be at least 1, found 0"),
+    (["check", "--batch", "9"], "batch must be in 1..8, found 9"),
+    (["check", "--steps", "0"], "argument --steps: must be at least 1"),
+    (["check", "--ctx", "100"], "argument --ctx: must be a positive multiple of 128"),
+    (["check", "--steps", "300", "--ctx", "256"], "--steps (300) exceed --ctx 256"),
+    (["check", "--prefetch-depth", "-1"], "argument --prefetch-depth: must be at least 0"),
+    (["check", "--dma-mode", "lazy"], "argument --dma-mode: invalid choice"),
+    # logits: every id / path problem is reported before the weights are read
+    (["logits", "--checkpoint", "MISSING", "--tokens", "1", "--out", "OUT.npy"], "MISSING"),
+    (["logits", "--checkpoint", "CKPT", "--tokens", "-1,5", "--out", "OUT.npy"],
+     "--tokens: token id -1 outside the vocabulary [0, 512)"),
+    (["logits", "--checkpoint", "CKPT", "--tokens", "3,512,900", "--out", "OUT.npy"],
+     "--tokens: token id 512 outside the vocabulary [0, 512) (2 ids out of range)"),
+    (["logits", "--checkpoint", "CKPT", "--tokens", "1,b", "--out", "OUT.npy"], "--tokens: expected comma-separated"),
+    (["logits", "--checkpoint", "CKPT", "--tokens", "1", "--out", "NOPARENT"], "--out: directory"),
+    (["logits", "--checkpoint", "CKPT", "--tokens", "1", "--out", "EMPTY"], "--out: 'EMPTY' is a directory"),
+    (["logits", "--checkpoint", "CKPT", "--out", "OUT.npy"], "give exactly one of --tokens or --text"),
+    # load
+    (["load", "MISSING"], "MISSING"),
+    (["load", "EMPTY"], "EMPTY"),
+    (["load", "CKPT", "--bench", "--repeat", "0"], "argument --repeat: must be at least 1"),
+    (["load", "CKPT", "--threads", "0"], "argument --threads: must be at least 1"),
+    (["load", "CKPT", "--experts", "fp8"], "argument --experts: invalid choice"),
+    # synth
+    (["synth", "--out", "FILE/sub"], "--out: cannot create directory"),
+    (["synth", "--out", "FILE"], "--out: 'FILE' exists and is not a directory"),
+    (["synth", "--config", "nope", "--out", "OUT"], "unknown config 'nope'"),
+    (["synth", "--override", "layers=x", "--out", "OUT"], "--override: value of 'layers'"),
+    (["synth", "--override", "colour=3", "--out", "OUT"], "--override: unknown K3Config field 'colour'"),
+    (["synth", "--shard-mb", "0", "--out", "OUT"], "argument --shard-mb: must be a positive number"),
+    (["synth"], "required: --out"),
+    # aot
+    (["aot", "--config", "nope"], "unknown config 'nope'"),
+    (["aot", "--topology", "tpu9:2x2"], "--topology: unknown topology 'tpu9:2x2'"),
+    (["aot", "--tile", "512"], "--tile: expected TKxTN"),
+    (["aot", "--tile", "axb"], "--tile: expected TKxTN"),
+    (["aot", "--batch", "0"], "argument --batch: must be at least 1"),
+    (["aot", "--ctx", "-128"], "argument --ctx: must be a positive multiple of 128"),
+    (["aot", "--prefetch-depth", "4", "--num-slots", "2"], "num_slots (2) must be at least prefetch_depth + 1"),
+    # compile-time
+    (["compile-time", "--layers", "a,b"], "--layers: expected comma-separated integers, found 'a,b'"),
+    (["compile-time", "--layers", "4,0"], "--layers: values must be at least 1, found 0"),
+    (["compile-time", "--layers", "-4"], "--layers: values must be at least 1, found -4"),
+    (["compile-time", "--topology", "zz"], "--topology: unknown topology 'zz'"),
+    (["compile-time", "--config", "nope"], "unknown config 'nope'"),
+    (["compile-time", "--experts", "0"], "argument --experts: must be at least 1"),
+    # simulate
+    (["simulate", "--system", "h100x8"], "--system: unknown system 'h100x8'"),
+    (["simulate", "--batch", "one"], "--batch: expected comma-separated integers"),
+    (["simulate", "--batch", "0"], "--batch: batch sizes must be in 1..64"),
+    (["simulate", "--config", "nope"], "unknown config 'nope'"),
+    (["simulate", "--context", "-3"], "argument --context: must be at least 1"),
+    # notebooks (mk/cli/notebooks.py: tested here, owned elsewhere)
+    (["notebooks"], "required: --out"),
+    (["notebooks", "--out", "FILE/sub"], "FILE/sub"),
+    (["notebooks", "--out", "OUT", "-p", "batch"], "argument -p/--parameter: expected 2 arguments"),
+]
+
+
+def _ids(case):
+    return " ".join(case[0])[:60] or "(no command)"
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[_ids(c) for c in CASES])
+def test_bad_input_is_one_line_exit_2(paths, argv, message):
+    def fill(text):
+        for key in sorted(paths, key=len, reverse=True):
+            text = text.replace(key, paths[key])
+        return text
+
+    argv, message = [fill(a) for a in argv], fill(message)
+    proc = run_mk(*argv)
+    err = proc.stderr
+    assert "Traceback" not in err, err
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert proc.stdout == "", proc.stdout
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_logits_checks_ids_before_loading_weights(paths, monkeypatch, capsys):
+    """A bad id is reported without reading a single tensor (on K3 the load takes minutes)."""
+    import mk.checkpoint
+    from mk.__main__ import main
+
+    def no_load(*a, **kw):
+        raise AssertionError("weights loaded before the ids were checked")
+
+    monkeypatch.setattr(mk.checkpoint, "load", no_load)
+    monkeypatch.setattr(mk.checkpoint, "load_with_config", no_load)
+    out = os.path.join(paths["OUT"] + "_logits.npy")
+    assert main(["logits", "--checkpoint", paths["CKPT"], "--tokens", "1,99999", "--out", out]) == 2
+    assert "token id 99999 outside the vocabulary" in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
+# ---- libtpu stays quiet on CPU --------------------------------------------------------------------
+LIBTPU_NOISE = ("E0000", "unexpected worker hostname", "could not determine TPU", "Failed to find host bounds",
+                "Logging before InitGoogle", "libtpu_lockfile")
+
+
+def _tpu_attached():
+    import mk
+    return mk._tpu_attached()
+
+
+@pytest.mark.parametrize("platforms", ["cpu", None], ids=["JAX_PLATFORMS=cpu", "JAX_PLATFORMS-unset"])
+def test_cli_on_cpu_prints_no_libtpu_noise(platforms):
+    """The deviceless TPU compile loads libtpu, which used to log that it found no TPU workers."""
+    if platforms is None and _tpu_attached():
+        pytest.skip("a TPU is attached: without JAX_PLATFORMS=cpu the run is a real TPU run")
+    proc = run_mk("aot", "--config", "mini", "--topology", "tpu7x:2x2x1", "--json",
+                  env=_env(JAX_PLATFORMS=platforms))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["compiled"] is True
+    noise = [line for line in proc.stderr.splitlines() if any(n in line for n in LIBTPU_NOISE)]
+    assert not noise, proc.stderr
