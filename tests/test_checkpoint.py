@@ -137,7 +137,7 @@ def test_orientation_matches_params(ckpt, expected):
 
 # ---- CLI ----------------------------------------------------------------------------------------------
 def test_logits_cli_matches_reference_bit_for_bit(ckpt, expected, tmp_path):
-    reference = pytest.importorskip("mk.reference", reason="mk.reference not present yet")
+    from mk import reference
     out = tmp_path / "logits.npy"
     toks = ",".join(map(str, TOKENS))
     assert main(["logits", "--checkpoint", ckpt[0], "--tokens", toks, "--out", str(out), "--no-progress"]) == 0

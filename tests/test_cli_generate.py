@@ -150,8 +150,7 @@ def test_kernel_backend_missing(capsys, tiny_dir, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    synth = pytest.importorskip("mk.synth")
-    pytest.importorskip("mk.tokenizer")
+    from mk import synth
     d = tmp_path_factory.mktemp("ckpt")
     synth.write_checkpoint(TINY, str(d), seed=2)
     return str(d)
