@@ -18,8 +18,8 @@ import statistics
 import sys
 import time
 
-from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, positive_float,
-                           positive_int, progress, token_ids)
+from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, on_terminal,
+                           positive_float, positive_int, progress, token_ids)
 from mk.config import ConfigError
 from mk.errors import UserError, creatable_dir, writable_path
 
@@ -64,7 +64,7 @@ def _synth(args) -> int:
     creatable_dir(args.out, "--out")
     t = time.perf_counter()
     write_checkpoint(cfg, args.out, seed=args.seed, shard_bytes=int(args.shard_mb * (1 << 20)),
-                     progress=not args.no_progress)
+                     progress=on_terminal(not args.no_progress))
     n = checkpoint_bytes(args.out)
     print(f"wrote {args.out}: {n / 1e9:.3f} GB in {time.perf_counter() - t:.1f} s "
           f"(dim={cfg.dim}, layers={cfg.layers}, experts={cfg.experts}, vocab={cfg.vocab})")
@@ -103,7 +103,7 @@ def _logits(args) -> int:
         if not tokens:
             raise UserError("--text: the text encodes to no tokens")
     check_vocab(tokens, cfg.vocab, "--tokens" if args.text is None else "--text")
-    params = load(args.checkpoint, progress=not args.no_progress)
+    params = load(args.checkpoint, progress=on_terminal(not args.no_progress))
     if args.backend == "kernel":
         with _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
             logits = fn(params, cfg, tokens)
@@ -241,8 +241,8 @@ def _load(args) -> int:
                          cold=args.cold, show_progress=not args.no_progress)
     else:
         t = time.perf_counter()
-        tree = load(args.path, experts=args.experts, progress=not args.no_progress and not args.json,
-                    threads=args.threads)
+        tree = load(args.path, experts=args.experts, threads=args.threads,
+                    progress=on_terminal(not args.no_progress and not args.json))
         jax.block_until_ready(tree)
         s = time.perf_counter() - t
         n = checkpoint_bytes(args.path)

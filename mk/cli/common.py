@@ -93,6 +93,13 @@ def add_step_options(p) -> None:
     for e.g. a device-mesh option."""
 
 
+def on_terminal(wanted: bool = True) -> bool:
+    """Whether to draw progress for library calls that take a plain `progress=` flag: only when
+    wanted and stderr is a terminal (a pipe or a log file gets no carriage-return spam)."""
+    import sys
+    return bool(wanted) and sys.stderr.isatty()
+
+
 def progress(iterable=None, *, desc: str, total: int | None = None, enabled: bool = True, **kw):
     """A tqdm bar on stderr, shown only on a terminal (`disable=None`) and when `enabled`; stdout
     (and any JSON on it) stays clean."""

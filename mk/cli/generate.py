@@ -20,7 +20,8 @@ import json
 import math
 import sys
 
-from mk.cli.common import CountingStep, add_step_options, check_vocab, nonnegative_int, progress, token_ids
+from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, on_terminal, progress,
+                           token_ids)
 from mk.errors import UserError
 
 DEFAULT_CONFIG = "mini"
@@ -125,7 +126,8 @@ def run(args) -> int:
         raise GenerateError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
                             f"= {total} exceed --ctx {ctx}")
     if args.checkpoint is not None:
-        params = _optional_module("mk.checkpoint", "--checkpoint").load(args.checkpoint, progress=not args.json)
+        params = _optional_module("mk.checkpoint", "--checkpoint").load(args.checkpoint,
+                                                                        progress=on_terminal(not args.json))
     else:
         from mk.params import init
         params = init(cfg, args.seed)
