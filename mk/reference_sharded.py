@@ -1,0 +1,293 @@
+"""The sharded XLA reference: `mk.reference.decode_step` split over a mesh by `mk.sharding`'s rule.
+
+One `jax.shard_map` over the mesh ("ep", "tp") of `mk.sharding.make_mesh`; every rank holds the
+share of the params and caches that `mk.sharding.param_specs` / `cache_specs` give it and runs
+the single-device step line by line on it. Wherever the step is split, a rank produces an fp32
+partial and the ranks combine them with ONE reduction rule (spec 3.9 a-c), which the sharded
+megakernel applies too:
+
+    reduce_bf16(partial): every rank rounds its fp32 partial to bf16 (the wire), all ranks'
+    bf16 partials are gathered and summed in fp32 in rank order 0, 1, ..., N-1 (not `psum`,
+    whose order is unspecified), so every rank holds the same bits. Callers round with `bf`.
+
+Where the step splits (per rank r of N, ep index g, tp index q):
+    embedding         rows [r V/N, (r+1) V/N): p = bf(reduce(owned row or 0))        (exact)
+    KDA / MLA         H/N heads; y = bf(reduce(mm(attn_out_local, o_local)))
+    dense MLP         F/N columns; z = bf(reduce(mm(h_local, down_local)))
+    MoE latent        Lt/N columns of latent_down, all-gathered (exact concatenation)
+    routed experts    experts [g E/ep, (g+1) E/ep), FFN slice q of each: per row, its chosen
+                      local experts in ascending id add w * f32(bf(partial down output));
+                      r_sum = bf(reduce(acc)); latent norm on the full width; this rank's
+                      Lt/N slice times its latent_up rows, plus the shared experts' partial
+                      (S/N columns): z = bf(reduce(z_routed_partial + z_shared_partial))
+    LM head           V/N columns: logits come back sharded over the vocabulary
+Everything on the residual stream p (mixes, norms, router, routing) is replicated: computed
+identically on every rank from identical inputs. On a 1-device mesh the step is bit-identical
+to `mk.reference.decode_step` (bf(f32(bf(x))) == bf(x)); on more devices it differs from it
+only by the extra bf16 roundings of the partials (tested with stated tolerances).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mk import sharding
+from mk.config import K3Config
+from mk.layers.attn_res import mix
+from mk.layers.common import F32, bf, f32, mm, pad_rows, rms, rows_padded, sigmoid
+from mk.layers.kda import decay, delta_rule, l2_normalize, output_gate, short_conv
+from mk.layers.mla import attend, project_qkv, write_cache
+from mk.layers.moe import expert, route
+from mk.reference import init_cache, layer_slice
+from mk.sharding import ALL
+
+__all__ = ["reduce_bf16", "make_sharded_step", "decode_step_sharded", "shard_params", "shard_cache",
+           "init_cache_sharded", "replicate", "mesh_for", "gather"]
+
+
+# --------------------------------------------------------------------------------------------
+# The one cross-rank reduction
+# --------------------------------------------------------------------------------------------
+def reduce_bf16(partial: jax.Array) -> jax.Array:
+    """Sum an fp32 partial over ALL ranks: bf16 wire, fp32 sum in rank order 0..N-1 (fp32 out).
+
+    Call inside the shard_map of this module. Every rank returns the same bits."""
+    g = jax.lax.all_gather(bf(partial), ALL)                     # [N, ...] in rank order
+    acc = f32(g[0])
+    for i in range(1, g.shape[0]):
+        acc = acc + f32(g[i])
+    return acc
+
+
+def _rank():
+    return jax.lax.axis_index(ALL)                               # ep_index * tp + tp_index
+
+
+# --------------------------------------------------------------------------------------------
+# Sublayers on one rank's share
+# --------------------------------------------------------------------------------------------
+def _kda_local(a, w: dict, state, conv_state, cfg: K3Config):
+    """`mk.layers.kda.kda` on this rank's heads; y reduced over ranks. cfg: heads = local heads."""
+    B = a.shape[0]
+    H, D = cfg.heads, cfg.head_dim
+    f = bf(mm(a, w["f_a"]))                                      # f_a replicated
+    g_raw = bf(mm(f, w["f_b"])).reshape(B, H, D)
+    qkv = jnp.stack([bf(mm(a, w[n])) for n in ("q", "k", "v")], axis=1)
+    g_o = bf(mm(a, w["g"])).reshape(B, H, D)
+    beta = sigmoid(bf(mm(a, w["b"])))
+    window = jnp.concatenate([conv_state, qkv[:, :, None]], axis=2)
+    conv = short_conv(window, w["conv"]).reshape(B, 3, H, D)
+    q = rows_padded(l2_normalize, conv[:, 0]) * (D ** -0.5)
+    k = rows_padded(l2_normalize, conv[:, 1])
+    v = f32(conv[:, 2])
+    g = decay(g_raw, w["a_log"], w["dt_bias"].reshape(H, D), cfg.gate_lower_bound)
+    o, state = delta_rule(*(pad_rows(x) for x in (state, q, k, v, g, beta)))
+    o, state = o[:B], state[:B]
+    out = output_gate(o, g_o, w["o_norm"], cfg.eps).reshape(B, H * D)
+    return bf(reduce_bf16(mm(out, w["o"]))), state, window[:, :, 1:]
+
+
+def _mla_local(a, w: dict, k_cache, v_cache, pos, cfg: K3Config):
+    """`mk.layers.mla.mla` on this rank's heads (q_a / kv_a replicated); y reduced over ranks."""
+    B = a.shape[0]
+    q, k, v = project_qkv(a, w, cfg)
+    k_cache, v_cache = write_cache(k_cache, k, pos), write_cache(v_cache, v, pos)
+    o = attend(q, k_cache, v_cache, pos, cfg.mla_scale)
+    gate = bf(sigmoid(bf(mm(a, w["g"])))).reshape(o.shape)
+    out = bf(f32(bf(o)) * f32(gate)).reshape(B, -1)
+    return bf(reduce_bf16(mm(out, w["o"]))), k_cache, v_cache
+
+
+def _dense_local(m, w: dict, cfg: K3Config):
+    from mk.layers.common import situ
+    h = situ(bf(mm(m, w["gate"])), bf(mm(m, w["up"])), cfg.situ_beta, cfg.situ_linear_beta)
+    return bf(reduce_bf16(mm(h, w["down"])))
+
+
+def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):
+    """`mk.layers.moe.moe` on this rank's share -> (z [B, d] bf16, (ids [B, k], route margin [B]))."""
+    from mk.layers.common import situ
+    r = _rank()
+    ids, weights = route(m, w["router"], w["router_bias"], cfg.top_k)   # replicated
+    latent = jax.lax.all_gather(bf(mm(m, w["latent_down"])), ALL, axis=1, tiled=True)   # [B, Lt]
+    e_local = cfg.experts // ep
+    group = r // (n // ep)                                       # this rank's ep index
+
+    def row(l, row_ids, row_w):
+        acc = jnp.zeros((l.shape[-1],), F32)
+        for j in range(cfg.top_k):
+            e = row_ids[j]
+            mine = e // e_local == group
+            i = jnp.clip(e - group * e_local, 0, e_local - 1)
+            out = expert(l[None], w["w1"][i], w["w3"][i], w["w2"][i], cfg)[0]   # partial, bf16
+            acc = jnp.where(mine, acc + row_w[j] * f32(out), acc)
+        return acc
+
+    r_sum = bf(reduce_bf16(jax.vmap(row)(latent, ids, weights)))
+    gamma = jax.lax.all_gather(w["latent_norm"], ALL, axis=0, tiled=True)   # full width, exact
+    r_n = rows_padded(rms, r_sum, gamma, cfg.eps)
+    width = cfg.latent // n
+    r_n = jax.lax.dynamic_slice_in_dim(r_n, r * width, width, axis=1)
+    z_routed = mm(r_n, w["latent_up"])
+    h = situ(bf(mm(m, w["shared_gate"])), bf(mm(m, w["shared_up"])), cfg.situ_beta, cfg.situ_linear_beta)
+    z_shared = mm(h, w["shared_down"])
+    return bf(reduce_bf16(z_routed + z_shared)), (ids, _route_margin(m, w, cfg.top_k))
+
+
+def _route_margin(m, w, top_k):
+    """[B] gap between the k-th and (k+1)-th biased router score (inf if every expert is chosen):
+    how far this row's routing is from a tie (diagnostics; the trace output)."""
+    s = sigmoid(mm(m, w["router"])) + w["router_bias"][None]
+    if top_k >= s.shape[-1]:
+        return jnp.full(s.shape[:1], jnp.inf, F32)
+    v = jax.lax.top_k(s, top_k + 1)[0]
+    return v[:, top_k - 1] - v[:, top_k]
+
+
+def _embed_local(embed, tokens, n: int):
+    rows = embed.shape[0]                                        # V / N
+    off = tokens - _rank() * rows
+    owned = (off >= 0) & (off < rows)
+    x = embed[jnp.clip(off, 0, rows - 1)]
+    return bf(reduce_bf16(jnp.where(owned[:, None], f32(x), 0.0)))
+
+
+def _step_local(params, cache, tokens, *, cfg: K3Config, n: int, ep: int):
+    """One rank's decode step (mirrors `mk.reference.decode_step`)."""
+    lcfg = cfg.replace(heads=cfg.heads // n)
+    pos = cache["pos"]
+    kda_state, conv_state = cache["kda_state"], cache["conv_state"]
+    mla_k, mla_v = cache["mla_k"], cache["mla_v"]
+    p = _embed_local(params["embed"], tokens, n)
+    blocks: list[jax.Array] = []
+    routing = []
+    for l in range(cfg.layers):
+        lw = layer_slice(params["layer"], l)
+        x = mix(p, blocks[:cfg.n_attn_blocks(l)], lw["attn_res"], cfg.eps)
+        if cfg.starts_block(l):
+            blocks.append(p)
+        a = rows_padded(rms, x, lw["attn_norm"], cfg.eps)
+        i = cfg.family_index(l)
+        if cfg.is_mla(l):
+            y, k_i, v_i = _mla_local(a, layer_slice(params["mla"], i), mla_k[:, i], mla_v[:, i], pos, lcfg)
+            mla_k, mla_v = mla_k.at[:, i].set(k_i), mla_v.at[:, i].set(v_i)
+        else:
+            y, s_i, c_i = _kda_local(a, layer_slice(params["kda"], i), kda_state[:, i], conv_state[:, i], lcfg)
+            kda_state, conv_state = kda_state.at[:, i].set(s_i), conv_state.at[:, i].set(c_i)
+        p = y if cfg.starts_block(l) else bf(p + y)
+        x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps)
+        m = rows_padded(rms, x, lw["ffn_norm"], cfg.eps)
+        if l == 0:
+            z = _dense_local(m, params["dense"], cfg)
+        else:
+            z, ids = _moe_local(m, layer_slice(params["moe"], l - 1), cfg, n, ep)
+            routing.append(ids)
+        p = bf(p + z)
+    h = mix(p, blocks, params["output_res"], cfg.eps)
+    logits = mm(rows_padded(rms, h, params["final_norm"], cfg.eps), params["lm_head"])
+    cache = {"pos": pos + 1, "kda_state": kda_state, "conv_state": conv_state, "mla_k": mla_k, "mla_v": mla_v}
+    B = tokens.shape[0]
+    ids = jnp.stack([i for i, _ in routing]) if routing else jnp.zeros((0, B, cfg.top_k), jnp.int32)
+    margin = jnp.stack([g for _, g in routing]) if routing else jnp.zeros((0, B), F32)
+    return logits, cache, {"p": p[None], "ids": ids[None], "margin": margin[None]}
+
+
+# --------------------------------------------------------------------------------------------
+# Building the step
+# --------------------------------------------------------------------------------------------
+def _layout_of(mesh):
+    from mk.plan import Layout
+    ep, tp = mesh.shape["ep"], mesh.shape["tp"]
+    return Layout(chips=ep * tp, cores_per_chip=1, tp_attn=ep * tp, ep=ep, tp_expert=tp)
+
+
+def mesh_for(cfg: K3Config, devices: int, ep: int | None = None, device_list=None):
+    """The mesh `mk.sharding` prescribes for `devices` devices (checks that the config divides)."""
+    return sharding.make_mesh(sharding.default_layout(cfg, devices, ep), device_list)
+
+
+@functools.lru_cache(maxsize=None)
+def make_sharded_step(cfg: K3Config, mesh, *, trace: bool = False):
+    """A jitted `step(params, cache, tokens) -> (logits [B, V] f32 sharded over vocab, cache)`.
+
+    params / cache: global arrays (any placement; `shard_params` / `shard_cache` put them where
+    the step wants them, avoiding a copy per call); tokens [B] int32, replicated.
+    trace=True returns a third output {"p": [N, B, d], "ids": [N, n_moe, B, top_k],
+    "margin": [N, n_moe, B]}: every rank's own copy of the final residual p and of its routing
+    decisions (which must agree bit for bit), and each row's router margin per MoE layer (the gap
+    between the k-th and (k+1)-th biased score: a near-zero margin is a routing near-tie).
+    """
+    sharding.check_layout(cfg, _layout_of(mesh))
+    n, ep = mesh.size, mesh.shape["ep"]
+    from mk.params import shapes
+    pspecs = sharding.param_specs(shapes(cfg))
+    cspecs = sharding.cache_specs(init_cache_abstract(cfg))
+    body = functools.partial(_step_local, cfg=cfg, n=n, ep=ep)
+    out_specs = (P(None, ALL), cspecs, {"p": P(ALL), "ids": P(ALL), "margin": P(ALL)})
+    f = jax.shard_map(body, mesh=mesh, in_specs=(pspecs, cspecs, P()), out_specs=out_specs,
+                      check_vma=False)
+    out_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs)
+    if not trace:
+        fn = jax.jit(lambda p, c, t: f(p, c, t)[:2], out_shardings=out_sh[:2])
+    else:
+        fn = jax.jit(f, out_shardings=out_sh)
+    return fn
+
+
+def decode_step_sharded(params: dict, cache: dict, tokens, *, cfg: K3Config, mesh):
+    """tokens [B] int32 -> (logits [B, V] f32 sharded over the vocabulary, cache advanced)."""
+    return make_sharded_step(cfg, mesh)(params, cache, tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Placement helpers (single- and multi-process)
+# --------------------------------------------------------------------------------------------
+def init_cache_abstract(cfg: K3Config, batch: int = 1, ctx: int = 128) -> dict:
+    return jax.eval_shape(lambda: init_cache(cfg, batch, ctx))
+
+
+def _put(x, mesh, spec):
+    """A global array of host value x placed by spec (works when devices span processes)."""
+    x = np.asarray(x)
+    sh = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+
+
+def shard_params(params: dict, mesh) -> dict:
+    """Place a (host or single-device) params tree by `mk.sharding.param_specs`."""
+    specs = sharding.param_specs(params)
+    if jax.process_count() == 1:
+        return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    return jax.tree.map(lambda x, s: _put(x, mesh, s), params, specs)
+
+
+def shard_cache(cache: dict, mesh) -> dict:
+    specs = sharding.cache_specs(cache)
+    if jax.process_count() == 1:
+        return jax.device_put(cache, {k: NamedSharding(mesh, s) for k, s in specs.items()})
+    return {k: _put(v, mesh, specs[k]) for k, v in cache.items()}
+
+
+def init_cache_sharded(cfg: K3Config, batch: int, ctx: int, mesh) -> dict:
+    """Empty caches created directly in their shards (no full-size host copy)."""
+    abstract = init_cache_abstract(cfg, batch, ctx)
+    specs = sharding.cache_specs(abstract)
+    out_sh = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    return jax.jit(lambda: init_cache(cfg, batch, ctx), out_shardings=out_sh)()
+
+
+def replicate(x, mesh):
+    """A host value (e.g. tokens) as a replicated global array on `mesh`."""
+    return _put(x, mesh, P())
+
+
+def gather(x) -> np.ndarray:
+    """The full host value of a global array, also when its shards span processes."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
