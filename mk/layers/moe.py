@@ -44,7 +44,12 @@ def moe(m, w: dict, cfg: K3Config):
     latent = bf(mm(m, w["latent_down"]))                         # [B, Lt]
 
     def row(l, row_ids, row_w):                                  # one row, its k experts in id order
-        acc = jnp.zeros((l.shape[-1],), F32)
+        # The sum starts from an fp32 zero XLA cannot see through, as the kernel's accumulator
+        # (a VMEM load) is. XLA CPU contracts every `acc + w * e` into an FMA (LLVM fp-contract
+        # fast); with a literal zero it first folds `0 + w0*e0` away and then contracts the FIRST
+        # product of `w0*e0 + w1*e1` (rounding the second), while the kernel computes
+        # fma(w1, e1, round(w0*e0)). That one rounding flipped a bf16 tie in r_sum on mini.
+        acc = jax.lax.optimization_barrier(jnp.zeros((l.shape[-1],), F32))
         for j in range(cfg.top_k):
             e = row_ids[j]
             out = expert(l[None], w["w1"][e], w["w3"][e], w["w2"][e], cfg)[0]
