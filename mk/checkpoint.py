@@ -769,3 +769,130 @@ def checkpoint_bytes(path) -> int:
     """Total size of the shard files a checkpoint's index references."""
     with Checkpoint(path) as ck:
         return sum(os.path.getsize(f) for f in ck.shard_files)
+
+
+# ---- sharded loading (multi-device / multi-process) ---------------------------------------------
+def _process_tag() -> str:
+    import jax
+    return f"process {jax.process_index()} of {jax.process_count()}"
+
+
+def load_sharded(path, mesh, experts: str = "bf16", progress: bool = False) -> dict:
+    """The parameter tree of `load(path, experts=...)` as global arrays placed on `mesh` by
+    `mk.sharding.param_spec`, each process reading only the blocks its addressable devices hold.
+
+    Validation is the same as `load` (every shard's header, every tensor's name, shape and
+    dtype, before any data is read); then every leaf is built with
+    `jax.make_array_from_callback`, whose callback reads just that device's block through
+    `Checkpoint.read(name, rows=..., cols=...)` (checkpoint `[out, in]` -> params `[in, out]`:
+    a split of the params' column axis is a row range of the checkpoint tensor). MXFP4 experts
+    are read in whole 32-element scale groups and dequantized per block. A block is read once
+    per process, however many local devices hold it (replicated leaves). Errors are the
+    `CheckpointError`s of `load`, their message prefixed with "process i of n:".
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from mk.sharding import param_spec
+
+    if experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"experts must be 'bf16' or 'mxfp4', found {experts!r}")
+    tag = _process_tag()
+    try:
+        ck = ShardedCheckpoint(path)
+    except CheckpointError as e:
+        raise type(e)(f"{tag}: {e}") from None
+    with ck:
+        entries = layout(ck.cfg)
+        try:
+            ck.validate(entries)
+        except CheckpointError as e:
+            raise type(e)(f"{tag}: {e}") from None
+        by_dest: dict[tuple, list[Entry]] = {}
+        for e in entries:
+            by_dest.setdefault(e.dest, []).append(e)
+        from tqdm.auto import tqdm
+
+        abstract = abstract_params(ck.cfg, experts)
+        leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+        bar = tqdm(total=len(leaves), desc=f"loading {os.path.basename(ck.path.rstrip('/'))} (sharded)",
+                   unit="tensor", disable=not progress, leave=False)
+        out = []
+        try:
+            for kpath, s in leaves:
+                keys = tuple(getattr(k, "key", k) for k in kpath)
+                sub = keys[2] if len(keys) == 3 else None          # mxfp4 leaf: "packed" / "scale"
+                dest = keys[:2] if sub else keys
+                sharding = NamedSharding(mesh, P(*param_spec(keys, len(s.shape))))
+                blocks: dict = {}
+
+                def cb(index, dest=dest, sub=sub, s=s, blocks=blocks):
+                    idx = tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, s.shape))
+                    key = tuple((x.start, x.stop) for x in idx)
+                    if key not in blocks:
+                        blocks[key] = ck._read_block(by_dest[dest], idx, np.dtype(s.dtype), sub, tag)
+                    return blocks[key]
+
+                out.append(jax.make_array_from_callback(s.shape, sharding, cb))
+                bar.update(1)
+        finally:
+            bar.close()
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), out)
+
+
+class ShardedCheckpoint(Checkpoint):
+    """A `Checkpoint` that reads one device's block of a parameter leaf (see `load_sharded`)."""
+
+    def _read_block(self, entries: "Sequence[Entry]", idx: tuple, dtype, sub, tag: str) -> np.ndarray:
+        """The block `idx` (tuple of unit-step slices) of the leaf that `entries` fill."""
+        out = np.empty(tuple(x.stop - x.start for x in idx), dtype)
+        lead = len(entries[0].index)
+        for e in entries:
+            if not all(x.start <= i < x.stop for i, x in zip(e.index, idx)):
+                continue
+            at = tuple(i - x.start for i, x in zip(e.index, idx[:lead]))
+            try:
+                out[at] = self._read_part(e, idx[lead:], dtype, sub)
+            except CheckpointError as err:
+                raise type(err)(f"{tag}: {err}") from None
+            except (OSError, ValueError) as err:
+                name = e.sources[0].name
+                raise CorruptShardError(f"{tag}: {self.file_of(name)}: cannot read tensor '{name}' "
+                                        f"({type(err).__name__}: {err})") from None
+        return out
+
+
+    def _read_part(self, e: Entry, rest: tuple, dtype, sub) -> np.ndarray:
+        """One entry's part `rest` (slices of the destination's per-entry dims) as `dtype`."""
+        src = e.sources[0]
+        if e.kind == "copy":
+            x = self.read(src.name, rows=rest[0], cols=rest[1] if len(rest) > 1 else None)
+            return x.astype(dtype, copy=False)
+        if e.kind == "T":                                          # dest [in, out] = W[out, in].T
+            return self.read(src.name, rows=rest[1], cols=rest[0]).T
+        if e.kind == "conv":                                       # dest [C, HD] = W[HD, 0, :].T
+            return self.read(src.name, rows=rest[1])[:, 0, :].T[rest[0]].astype(dtype, copy=False)
+        if e.kind == "fold":
+            norm = self.read(e.sources[0].name, rows=rest[0]).astype(np.float32)
+            proj = self.read(e.sources[1].name, rows=slice(0, 1), cols=rest[0]).astype(np.float32)
+            return np.multiply(norm, proj[0])
+        if e.kind == "mxfp4":
+            psrc, ssrc = e.sources
+            if sub is not None:                                    # checkpoint bytes, same orientation
+                x = self.read((psrc if sub == "packed" else ssrc).name, rows=rest[0], cols=rest[1])
+                if sub == "scale":
+                    self._check_scale(ssrc, x, rest[0].start, rest[1].start)
+                return x
+            ks, ns = rest                                          # dest [K, N]; checkpoint [N, K/2]
+            k0, k1 = ks.start // MX_GROUP * MX_GROUP, -(-ks.stop // MX_GROUP) * MX_GROUP
+            scale = self.read(ssrc.name, rows=ns, cols=slice(k0 // MX_GROUP, k1 // MX_GROUP))
+            self._check_scale(ssrc, scale, ns.start, k0 // MX_GROUP)
+            packed = self.read(psrc.name, rows=ns, cols=slice(k0 // 2, k1 // 2))
+            return dequantize_mxfp4(packed, scale)[ks.start - k0:ks.stop - k0]
+        raise AssertionError(e.kind)  # pragma: no cover
+
+
+    def _check_scale(self, ssrc: Source, scale: np.ndarray, row0: int, col0: int):
+        pos = bad_scale_position(scale)
+        if pos is not None:
+            raise ScaleByteError(f"{self.file_of(ssrc.name)}: tensor '{ssrc.name}' has E8M0 scale byte "
+                                 f"{int(scale[pos])} at [{pos[0] + row0}, {pos[1] + col0}] (0 and 255 are invalid)")
