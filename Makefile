@@ -1,6 +1,7 @@
 # mk: the two commands of the README, and what they need.
 #   make run   - execute every notebook headless (papermill) on the mini config -> runs/<timestamp>/
 #   make test  - the whole test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval)
+#   make lab   - open the notebooks interactively in JupyterLab (LAB_ARGS="--no-browser --ip=0.0.0.0" on a VM)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +9,7 @@ STAMP  := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: run test venv demo clean browser
+.PHONY: run test venv demo clean browser lab
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +32,10 @@ browser:
 
 run: $(STAMP) browser
 	$(PY) -m mk notebooks --out runs/$$(date +%Y%m%d-%H%M%S)
+
+LAB_ARGS ?=
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS) notebooks/
 
 demo: $(STAMP)
 	$(PY) -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
