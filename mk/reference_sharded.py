@@ -46,7 +46,7 @@ from mk.reference import init_cache, layer_slice
 from mk.sharding import ALL
 
 __all__ = ["reduce_bf16", "make_sharded_step", "decode_step_sharded", "shard_params", "shard_cache",
-           "init_cache_sharded", "replicate", "mesh_for", "gather"]
+           "init_cache_sharded", "replicate", "mesh_for", "gather", "step_fn_for", "teacher_forced_logits"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,7 +118,8 @@ def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):
     group = r // (n // ep)                                       # this rank's ep index
 
     def row(l, row_ids, row_w):
-        acc = jnp.zeros((l.shape[-1],), F32)
+        # an fp32 zero XLA cannot see through, as in mk.layers.moe (FMA contraction order)
+        acc = jax.lax.optimization_barrier(jnp.zeros((l.shape[-1],), F32))
         for j in range(cfg.top_k):
             e = row_ids[j]
             mine = e // e_local == group
@@ -291,3 +292,36 @@ def gather(x) -> np.ndarray:
         return np.asarray(x)
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Drivers for the commands (`mk logits --mesh N`, `mk generate --mesh N`)
+# --------------------------------------------------------------------------------------------
+def step_fn_for(cfg: K3Config, mesh):
+    """A `step_fn(params, cache, tokens)` for `mk.reference.generate`: places host / single-device
+    caches and tokens on the mesh first (params must already be placed: `shard_params` or
+    `mk.checkpoint.load_sharded`)."""
+    step = make_sharded_step(cfg, mesh)
+    want = NamedSharding(mesh, P())
+
+    def step_fn(params, cache, tokens):
+        if cache["pos"].sharding != want:
+            cache = shard_cache(jax.tree.map(np.asarray, cache), mesh)
+        if getattr(tokens, "sharding", None) != want:
+            tokens = replicate(np.asarray(tokens, np.int32), mesh)
+        return step(params, cache, tokens)
+    return step_fn
+
+
+def teacher_forced_logits(params: dict, cfg: K3Config, tokens, mesh, ctx: int | None = None) -> np.ndarray:
+    """`mk.reference.teacher_forced_logits` on the mesh: tokens [T] -> float32 logits [T, V] (the
+    full array in every process)."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    ctx = ctx or max(128, -(-tokens.shape[0] // 128) * 128)
+    step = make_sharded_step(cfg, mesh)
+    cache = init_cache_sharded(cfg, 1, ctx, mesh)
+    out = []
+    for t in tokens:
+        logits, cache = step(params, cache, replicate(np.asarray([t], np.int32), mesh))
+        out.append(gather(logits)[0])
+    return np.stack(out)
