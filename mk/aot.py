@@ -38,31 +38,39 @@ class CompileResult:
     memory: dict | None = None
 
 
-def _topology_device(topology: str):
+def _topology(topology: str):
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "")
     from jax.experimental import topologies
-    topo = topologies.get_topology_desc(topology, "tpu")
-    return topo.devices[0]
+    return topologies.get_topology_desc(topology, "tpu")
+
+
+def _topology_device(topology: str):
+    return _topology(topology).devices[0]
 
 
 def _struct(x, sharding):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
-def kernel_abstract_inputs(plan: Plan):
-    """ShapeDtypeStructs (no sharding) of the kernel's weights, cache and tokens."""
+def kernel_abstract_inputs(plan: Plan, mesh):
+    """ShapeDtypeStructs of the kernel's weights, cache and tokens, sharded over `mesh` as the
+    kernel reads them (per-device shares stacked on the leading axis; caches by head)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
     from mk.reference import init_cache
-    cfg = plan.config
-    rows = plan.vector_width
+    from mk.sharding import ALL, CACHE_SPECS
+    cfg, N = plan.config, plan.devices
+    shard = lambda *spec: NamedSharding(mesh, P(*spec))
+    sds = lambda shape, dtype, *spec: jax.ShapeDtypeStruct(shape, dtype, sharding=shard(*spec))
     weights = {
-        "embed": jax.ShapeDtypeStruct((cfg.vocab, cfg.dim), jnp.bfloat16),
-        "tiles": jax.ShapeDtypeStruct((plan.dense_tiles, plan.tile_k, plan.tile_n), jnp.bfloat16),
-        "experts": jax.ShapeDtypeStruct((cfg.n_moe, cfg.experts, plan.expert_tiles, plan.tile_k, plan.tile_n),
-                                        jnp.bfloat16),
-        "vectors": jax.ShapeDtypeStruct((cfg.layers + 1, _n_vector_rows(cfg), rows), jnp.float32),
+        "embed": sds((cfg.vocab, cfg.dim), jnp.bfloat16, ALL),
+        "tiles": sds((N * plan.dense_tiles, plan.tile_k, plan.tile_n), jnp.bfloat16, ALL),
+        "experts": sds((N * cfg.n_moe, plan.local_experts, plan.expert_tiles, plan.tile_k, plan.tile_n),
+                       jnp.bfloat16, ALL),
+        "vectors": sds((N * (cfg.layers + 1), _n_vector_rows(cfg), plan.vector_width), jnp.float32, ALL),
     }
-    cache = jax.eval_shape(lambda: init_cache(cfg, plan.batch, plan.ctx))
-    tokens = jax.ShapeDtypeStruct((plan.batch,), jnp.int32)
+    cache = {k: _struct(v, shard(*CACHE_SPECS[k]))
+             for k, v in jax.eval_shape(lambda: init_cache(cfg, plan.batch, plan.ctx)).items()}
+    tokens = sds((plan.batch,), jnp.int32)
     return weights, cache, tokens
 
 
@@ -72,10 +80,11 @@ def _n_vector_rows(cfg):
 
 
 def _compile(fn, args, device) -> CompileResult:
+    """Lower + compile fn on abstract args (ShapeDtypeStructs, sharded or not) for TPU."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     mesh = Mesh(np.array([device]), ("x",))
-    sharding = NamedSharding(mesh, PartitionSpec())
-    args = jax.tree.map(lambda s: _struct(s, sharding), args)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    args = jax.tree.map(lambda s: s if getattr(s, "sharding", None) is not None else _struct(s, replicated), args)
     t0 = time.perf_counter()
     try:
         with jax.default_device(device):
@@ -101,11 +110,17 @@ def _compile(fn, args, device) -> CompileResult:
 
 
 def compile_kernel(plan: Plan, topology: str = "tpu7x:2x2x1") -> CompileResult:
-    """Lower + compile the megakernel step for one TPU core of `topology`."""
+    """Lower + compile the megakernel step for the first `plan.devices` cores of `topology` (one
+    pallas_call per core under shard_map, collectives inside)."""
     from mk.kernel.decode import make_decode_step
-    device = _topology_device(topology)
-    step = make_decode_step(plan, interpret=False)
-    return _compile(step, kernel_abstract_inputs(plan), device)
+    from mk.plan import PlanError
+    from mk.sharding import make_mesh
+    topo = _topology(topology)
+    if len(topo.devices) < plan.devices:
+        raise PlanError(f"topology {topology} has {len(topo.devices)} devices, the plan needs {plan.devices}")
+    mesh = make_mesh(plan.layout, topo.devices)
+    step = make_decode_step(plan, interpret=False, mesh=mesh)
+    return _compile(step, kernel_abstract_inputs(plan, mesh), topo.devices[0])
 
 
 def compile_reference(cfg: K3Config, batch: int, topology: str = "tpu7x:2x2x1", ctx: int = 256) -> CompileResult:

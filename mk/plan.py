@@ -135,6 +135,13 @@ class LayerStream:
     def has_experts(self) -> bool:
         return self.kind.endswith("moe")
 
+    def matrix(self, name: str) -> "Matrix":
+        """This layer's streamed matrix called `name` (e.g. 'moe.router')."""
+        for m in self.pre + self.post:
+            if m.name == name:
+                return m
+        raise KeyError(f"layer {self.layer} ({self.kind}) streams no matrix {name!r}")
+
     @property
     def pre_tiles(self) -> int:
         return sum(m.tiles for m in self.pre)
@@ -182,6 +189,30 @@ class WeightDMA:
     slot: int
     phase: int          # index of the consuming Phase
     issue_after: int = -1   # a phase that must end before this DMA may be issued (mk.sim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One in-kernel collective: every rank sends its `[rows, width]` bf16 message to every peer.
+
+    'all_reduce': the N messages (fp32 partials rounded to bf16: the wire) are summed in fp32 in
+    rank order on every rank, so all ranks hold the same bits. 'all_gather': they are laid side by
+    side in rank order. One phase each: a single round of N - 1 remote copies per rank.
+    """
+    name: str            # embed | attn_out | dense_out | moe_latent | moe_routed | moe_out
+    kind: str            # 'all_reduce' | 'all_gather'
+    width: int           # lanes of one rank's message
+    rows: int
+    devices: int
+
+    @property
+    def message_bytes(self) -> int:
+        return self.rows * self.width * BF16_BYTES
+
+    @property
+    def remote_bytes(self) -> int:
+        """Bytes one rank sends (and receives) for this collective."""
+        return (self.devices - 1) * self.message_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +267,78 @@ class Plan:
     expert_gu: Matrix                     # one expert's fused [w1 | w3]  (latent -> 2 Fe)
     expert_down: Matrix                   # one expert's w2               (Fe -> latent)
 
+    # ---- one device's share (mk.sharding) ----------------------------------------------------
+    @property
+    def devices(self) -> int:
+        return self.layout.devices
+
+    @property
+    def heads(self) -> int:
+        """Attention heads on this device."""
+        return self.config.heads // self.layout.tp_attn
+
+    @property
+    def attn_width(self) -> int:
+        return self.heads * self.config.head_dim
+
+    @property
+    def local_experts(self) -> int:
+        return self.config.experts // self.layout.ep
+
+    @property
+    def latent_block(self) -> int:
+        """Lanes of one rank's latent slice (latent / N real ones, 128-aligned)."""
+        return round_up(self.config.latent // self.devices, 128)
+
+    @property
+    def latent_padded(self) -> int:
+        """Width of the gathered latent vector: N blocks of `latent_block` (= latent on one device
+        when latent is a multiple of 128)."""
+        return self.devices * self.latent_block
+
+    @property
+    def vocab_local(self) -> int:
+        return self.config.vocab // self.layout.tp_attn
+
+    @cached_property
+    def collectives(self) -> dict[str, Collective]:
+        """The step's collectives by name (none on one device)."""
+        c, R, N = self.config, self.rows, self.devices
+        if N == 1:
+            return {}
+        out = [Collective("embed", "all_reduce", c.dim, R, N),
+               Collective("attn_out", "all_reduce", c.dim, R, N),
+               Collective("dense_out", "all_reduce", c.dim, R, N),
+               Collective("moe_latent", "all_gather", self.latent_block, R, N),
+               Collective("moe_routed", "all_reduce", self.latent_padded, R, N),
+               Collective("moe_out", "all_reduce", c.dim, R, N)]
+        return {x.name: x for x in out}
+
+    def layer_collectives(self, layer: int) -> tuple[str, ...]:
+        """Names of the collectives of `layer` in execution order (layer L = the LM head)."""
+        if self.devices == 1 or layer == self.config.layers:
+            return ()
+        return ("attn_out", "dense_out") if layer == 0 else ("attn_out", "moe_latent", "moe_routed", "moe_out")
+
+    def collective_sequence(self) -> list[str]:
+        """Every collective of one step, in order."""
+        if self.devices == 1:
+            return []
+        return ["embed"] + [n for l in range(self.config.layers) for n in self.layer_collectives(l)]
+
+    @property
+    def collectives_per_step(self) -> int:
+        return len(self.collective_sequence())
+
+    @property
+    def remote_bytes_per_step(self) -> int:
+        return sum(self.collectives[n].remote_bytes for n in self.collective_sequence())
+
+    @property
+    def exchange_width(self) -> int:
+        """Lanes of the widest collective message (the landing buffers' width)."""
+        return max((x.width for x in self.collectives.values()), default=128)
+
     # ---- shapes the kernel allocates --------------------------------------------------------
     @property
     def rows(self) -> int:
@@ -276,11 +379,12 @@ class Plan:
     @property
     def vector_width(self) -> int:
         c = self.config
-        return round_up(max(c.dim, c.attn_width, c.q_rank, c.kv_rank, c.experts, c.latent), 128)
+        return round_up(max(c.dim, self.attn_width, c.q_rank, c.kv_rank, c.experts, self.latent_block), 128)
 
     @property
     def max_distinct_experts(self) -> int:
-        return min(self.config.experts, self.batch * self.config.top_k)
+        """Most distinct experts this device can have to run in one MoE layer."""
+        return min(self.local_experts, self.batch * self.config.top_k)
 
     def expected_distinct_experts(self) -> float:
         """Expected distinct experts per layer and device if B rows route independently and
@@ -313,7 +417,7 @@ class Plan:
     def vmem_budget(self) -> dict[str, int]:
         """Bytes of every VMEM buffer the kernel allocates, tile-padded (see `padded_bytes`)."""
         c, R = self.config, self.rows
-        H, D = c.heads, c.head_dim
+        H, D, HD = self.heads, c.head_dim, self.attn_width
         nv = len(vector_rows(c))
         b = {
             "weight ring": self.num_slots * padded_bytes((self.tile_k, self.tile_n), 2),
@@ -323,14 +427,16 @@ class Plan:
             "block snapshots (f32)": padded_bytes((c.n_blocks, R, c.dim), 4),
             "layer vectors x2 (f32)": 2 * padded_bytes((nv, self.vector_width), 4),
             "KDA state (f32)": self.batch * padded_bytes((H, D, D), 4),
-            "KDA conv state (bf16)": self.batch * padded_bytes((3, c.conv_size - 1, c.attn_width), 2),
-            "KDA features (f32)": 5 * padded_bytes((R, c.attn_width), 4),
+            "KDA conv state (bf16)": self.batch * padded_bytes((3, c.conv_size - 1, HD), 2),
+            "KDA features (f32)": 5 * padded_bytes((R, HD), 4),
             "MLA K/V block": padded_bytes((H, 128, c.k_cache_dim), 2) + padded_bytes((H, 128, D), 2),
             "MLA q/k/v (bf16)": 2 * padded_bytes((R, H * c.k_cache_dim), 2) + padded_bytes((R, H * D), 2),
             "MoE routing (f32)": 3 * padded_bytes((R, round_up(c.experts, 128)), 4),
-            "MoE accumulators (f32)": padded_bytes((R, c.latent), 4) + padded_bytes((R, c.dim), 4),
+            "MoE accumulators (f32)": padded_bytes((R, self.latent_padded), 4) + padded_bytes((R, c.dim), 4),
             "logits (f32)": padded_bytes((R, self.streams[-1].pre[0].n_pad), 4),
         }
+        if self.devices > 1:   # double-buffered landing slots (one per rank) and send staging
+            b["collective landing + send (bf16)"] = 2 * (self.devices + 1) * padded_bytes((R, self.exchange_width), 2)
         return b
 
     @property
@@ -379,7 +485,14 @@ class Plan:
             phase(layer, tensor or m.name, "mxu", flops=2 * R * m.k_pad * m.n_pad, dmas=tuple(ids),
                   expert_dmas=expert_bytes)
 
-        H, D = c.heads, c.head_dim
+        H, D = self.heads, c.head_dim
+
+        def collective(layer, name):
+            x = self.collectives[name]
+            phase(layer, name, "collective", collective_bytes=x.remote_bytes, collective_phases=1)
+
+        if self.devices > 1:
+            collective(0, "embed")
         for s in self.streams:
             l = s.layer
             if s.kind == "head":
@@ -388,7 +501,8 @@ class Plan:
                     matmul(l, m)
                 continue
             phase(l, "attn_mix", "vector", vector_bytes=(c.n_attn_blocks(l) + 2) * R * c.dim * 4)
-            for m in s.pre[:self._attn_count(s)]:
+            attn = s.pre[:self._attn_count(s)]
+            for m in attn[:-1]:
                 matmul(l, m)
             if s.kind.startswith("kda"):
                 state = self.batch * H * D * D * 4
@@ -396,19 +510,30 @@ class Plan:
             else:
                 cache = self.batch * H * self.ctx * (c.k_cache_dim + D) * 2
                 phase(l, "mla_attention", "vector", vector_bytes=2 * cache, hbm_bytes=cache)
+            matmul(l, attn[-1])                                         # output projection
+            if self.devices > 1:
+                collective(l, "attn_out")
             phase(l, "mlp_mix", "vector", vector_bytes=(c.n_mlp_blocks(l) + 2) * R * c.dim * 4)
             rest = s.pre[self._attn_count(s):]
             for m in rest:
                 matmul(l, m)
                 if m.name == "moe.router":
                     phase(l, "routing", "vector", vector_bytes=c.top_k * R * round_up(c.experts, 128) * 4)
+                if self.devices > 1 and m.name == "moe.in":
+                    collective(l, "moe_latent")
+                if self.devices > 1 and m.name == "dense.down":
+                    collective(l, "dense_out")
             if s.has_experts:
                 n_e = distinct_experts[l - 1]
                 for e in range(n_e):
                     matmul(l, self.expert_gu, f"expert[{e}].gu", self.expert_gu.tiles * self.tile_bytes)
                     matmul(l, self.expert_down, f"expert[{e}].down", self.expert_down.tiles * self.tile_bytes)
+                if self.devices > 1:
+                    collective(l, "moe_routed")
             for m in s.post:
                 matmul(l, m)
+            if self.devices > 1 and s.has_experts:
+                collective(l, "moe_out")
         return dmas, phases
 
     @cached_property
@@ -433,6 +558,9 @@ class Plan:
             "num_slots": self.num_slots, "tile": [self.tile_k, self.tile_n], "chip": self.chip,
             "dense_tiles": self.dense_tiles, "expert_tiles_per_expert": self.expert_tiles,
             "vmem_planned_bytes": self.vmem_planned_bytes, "vmem_limit_bytes": self.vmem_limit,
+            "devices": self.devices, "ep": self.layout.ep, "tp_expert": self.layout.tp_expert,
+            "collectives_per_step": self.collectives_per_step,
+            "remote_bytes_per_step": self.remote_bytes_per_step,
         }
 
 
@@ -477,6 +605,9 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
     for name in ("tp_attn", "ep", "tp_expert"):
         if getattr(layout, name) < 1:
             raise PlanError(f"layout.{name} must be >= 1")
+    if not layout.single:
+        from mk.sharding import check_layout
+        check_layout(cfg, layout)
     vmem_limit = vmem_limit or min(DEFAULT_VMEM_LIMIT, VMEM_BYTES[chip])
 
     streams = []
@@ -487,8 +618,9 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
         base += s.pre_tiles + s.post_tiles
         streams.append(s)
     fe = cfg.expert_hidden // layout.tp_expert
-    gu = _matrix("expert.gu", cfg.latent, [(("moe", "w1"), fe), (("moe", "w3"), fe)], tk, tn)
-    down = _matrix("expert.down", fe, [(("moe", "w2"), cfg.latent)], tk, tn)
+    lp = layout.devices * round_up(cfg.latent // layout.devices, 128)     # the gathered latent width
+    gu = _matrix("expert.gu", lp, [(("moe", "w1"), fe), (("moe", "w3"), fe)], tk, tn)
+    down = _matrix("expert.down", fe, [(("moe", "w2"), lp)], tk, tn)
     plan = Plan(cfg, batch, prefetch_depth, num_slots, tk, tn, vmem_limit, chip, ctx, layout,
                 tuple(streams), gu, down)
     if check:
@@ -507,14 +639,14 @@ def _matrix(name, k, parts, tk, tn, head_pads=None) -> Matrix:
 
 def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
     d, D = cfg.dim, cfg.head_dim
-    H = cfg.heads // lay.tp_attn if cfg.heads % lay.tp_attn == 0 else cfg.heads / lay.tp_attn
-    HD = int(H * D)
+    H = cfg.heads // lay.tp_attn
+    HD = H * D
     if l == cfg.layers:
         vocab = cfg.vocab // lay.tp_attn
         return "head", (_matrix("lm_head", d, [(("lm_head", ""), vocab)], tk, tn),), ()
     if cfg.is_mla(l):
         kv_w = cfg.kv_rank + (cfg.k_cache_dim - D)   # k_r padded so [k_nope | k_r | 0] is aligned
-        Hn = int(H)
+        Hn = H
         attn = (
             _matrix("mla.in", d, [(("mla", "q_a"), cfg.q_rank), (("mla", "kv_a"), kv_w), (("mla", "g"), HD)], tk, tn),
             _matrix("mla.q_b", cfg.q_rank, [(("mla", "q_b"), Hn * cfg.k_cache_dim)], tk, tn,
@@ -527,7 +659,7 @@ def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
         attn = (
             _matrix("kda.f_a", d, [(("kda", "f_a"), D)], tk, tn),
             _matrix("kda.f_b", D, [(("kda", "f_b"), HD)], tk, tn),
-            _matrix("kda.in", d, [(("kda", n), HD) for n in "qkvg"] + [(("kda", "b"), int(H))], tk, tn),
+            _matrix("kda.in", d, [(("kda", n), HD) for n in "qkvg"] + [(("kda", "b"), H)], tk, tn),
             _matrix("kda.o", HD, [(("kda", "o"), d)], tk, tn),
         )
         kind = "kda"
@@ -537,14 +669,14 @@ def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
                _matrix("dense.down", F, [(("dense", "down"), d)], tk, tn))
         return kind + "+dense", attn + mlp, ()
     S = cfg.shared_hidden // lay.tp_attn
-    Lt = cfg.latent // lay.tp_attn if lay.tp_attn > 1 else cfg.latent
+    Lt = cfg.latent // lay.tp_attn                 # this rank's latent slice (all of it on one device)
     pre = attn + (
         _matrix("moe.router", d, [(("moe", "router"), cfg.experts)], tk, tn),
         _matrix("moe.in", d, [(("moe", "latent_down"), Lt), (("moe", "shared_gate"), S),
                               (("moe", "shared_up"), S)], tk, tn),
         _matrix("moe.shared_down", S, [(("moe", "shared_down"), d)], tk, tn),
     )
-    post = (_matrix("moe.latent_up", cfg.latent, [(("moe", "latent_up"), d // max(1, min(lay.tp_attn, 8)))], tk, tn),)
+    post = (_matrix("moe.latent_up", Lt, [(("moe", "latent_up"), d)], tk, tn),)
     return kind + "+moe", pre, post
 
 
@@ -577,17 +709,33 @@ def tile_matrix(w: np.ndarray, tk: int, tn: int) -> np.ndarray:
     return w.reshape(kt, tk, nt, tn).transpose(2, 0, 1, 3).reshape(nt * kt, tk, tn)
 
 
-def pack_weights(plan: Plan, params: dict) -> dict:
-    """Lay the parameters out for the kernel. Returns numpy arrays:
-        tiles    [dense_tiles, tile_k, tile_n]              bf16  every dense tile in stream order
-        experts  [n_moe, E, expert_tiles, tile_k, tile_n]   bf16  each expert's [w1|w3] then w2 tiles
-        vectors  [L + 1, rows, width]                       f32   per-layer vector table (+ globals)
+def to_latent_blocks(x: np.ndarray, plan: Plan, axis: int) -> np.ndarray:
+    """Lay the latent axis (length `latent`) of x out as the kernel's gathered latent vector:
+    `devices` blocks of `latent_block` lanes, block j holding latent features of rank j's slice."""
+    N, lb = plan.devices, plan.latent_block
+    x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+    per = x.shape[-1] // N
+    out = np.zeros(x.shape[:-1] + (N * lb,), np.float32)
+    for j in range(N):
+        out[..., j * lb:j * lb + per] = x[..., j * per:(j + 1) * per]
+    return np.moveaxis(out, -1, axis)
+
+
+def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
+    """Lay rank `rank`'s share of the parameters out for the kernel. Returns numpy arrays:
+        tiles    [dense_tiles, tile_k, tile_n]                  bf16  every dense tile in stream order
+        experts  [n_moe, E_local, expert_tiles, tile_k, tile_n] bf16  each local expert's [w1|w3], w2 tiles
+        vectors  [L + 1, rows, width]                           f32   per-layer vector table (+ globals)
+    `params` is the whole model (mk.params layout); `mk.sharding.local_params` cuts the share.
     """
     import ml_dtypes
+    from mk.sharding import local_params
 
     cfg = plan.config
+    if not 0 <= rank < plan.devices:
+        raise PlanError(f"rank {rank} outside the plan's {plan.devices} devices")
     if not plan.layout.single:
-        raise PlanError("pack_weights: the kernel runs the single-device layout only")
+        params = local_params(params, plan.layout, rank)
     tiles = []
     for s in plan.streams:
         layer = s.layer
@@ -596,17 +744,19 @@ def pack_weights(plan: Plan, params: dict) -> dict:
     tiles = np.concatenate(tiles).astype(ml_dtypes.bfloat16)
     assert tiles.shape[0] == plan.dense_tiles
 
-    E = cfg.experts
+    E = plan.local_experts
     experts = np.zeros((cfg.n_moe, E, plan.expert_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
-    w1, w3, w2 = (np.asarray(params["moe"][k], np.float32) for k in ("w1", "w3", "w2"))
     gu, dn = plan.expert_gu, plan.expert_down
+    fe = cfg.expert_hidden // plan.layout.tp_expert
     for i in range(cfg.n_moe):
+        w1, w3 = (to_latent_blocks(params["moe"][k][i], plan, axis=1) for k in ("w1", "w3"))  # [E, Lp, fe]
+        w2 = to_latent_blocks(params["moe"]["w2"][i], plan, axis=2)                          # [E, fe, Lp]
         for e in range(E):
             a = np.zeros((gu.k_pad, gu.n_pad), np.float32)
-            a[:cfg.latent, gu.parts[0].offset:gu.parts[0].offset + cfg.expert_hidden] = w1[i, e]
-            a[:cfg.latent, gu.parts[1].offset:gu.parts[1].offset + cfg.expert_hidden] = w3[i, e]
+            a[:w1.shape[1], gu.parts[0].offset:gu.parts[0].offset + fe] = w1[e]
+            a[:w3.shape[1], gu.parts[1].offset:gu.parts[1].offset + fe] = w3[e]
             b = np.zeros((dn.k_pad, dn.n_pad), np.float32)
-            b[:cfg.expert_hidden, :cfg.latent] = w2[i, e]
+            b[:fe, :w2.shape[2]] = w2[e]
             experts[i, e] = np.concatenate([tile_matrix(a, plan.tile_k, plan.tile_n),
                                             tile_matrix(b, plan.tile_k, plan.tile_n)]).astype(ml_dtypes.bfloat16)
     return {"tiles": tiles, "experts": experts, "vectors": pack_vectors(plan, params)}

@@ -14,36 +14,60 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk.config import K3Config
-from mk.kernel.decode import KERNEL_NAME, build_call, interpret_params, make_decode_step, on_tpu
+from mk.kernel.decode import KERNEL_NAME, build_call, default_mesh, interpret_params, make_decode_step, on_tpu
 from mk.plan import Plan, make_plan, pack_weights
 
-__all__ = ["KERNEL_NAME", "build_call", "interpret_params", "make_decode_step", "kernel_weights",
-           "make_step_fn", "teacher_forced_logits", "make_plan", "on_tpu"]
+__all__ = ["KERNEL_NAME", "build_call", "default_mesh", "interpret_params", "make_decode_step",
+           "kernel_weights", "place_cache", "make_step_fn", "teacher_forced_logits", "make_plan", "on_tpu"]
 
 
-def kernel_weights(plan: Plan, params: dict) -> dict:
-    """Device arrays the kernel reads: packed tiles, experts, vector tables, the embedding."""
-    packed = pack_weights(plan, params)
-    out = {k: jnp.asarray(v) for k, v in packed.items()}
-    out["embed"] = jnp.asarray(params["embed"])
+def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
+    """Device arrays the kernel reads: packed tiles, experts, vector tables, the embedding.
+
+    On a mesh each device gets its own share (`pack_weights(plan, params, rank)`), stacked along
+    the leading axis and placed by `NamedSharding(mesh, P(ALL))`."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from mk.sharding import ALL
+
+    mesh = mesh if mesh is not None else default_mesh(plan)
+    shares = [pack_weights(plan, params, r) for r in range(plan.devices)]
+    place = lambda x: jax.device_put(x, NamedSharding(mesh, P(ALL)))
+    out = {k: place(np.concatenate([s[k] for s in shares])) for k in shares[0]}
+    out["embed"] = place(np.asarray(params["embed"]))
     return out
 
 
+def place_cache(cache: dict, mesh) -> dict:
+    """Put a cache (mk.reference.init_cache layout) on `mesh`, sharded as mk.sharding says."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from mk.sharding import CACHE_SPECS
+    return {k: jax.device_put(v, NamedSharding(mesh, P(*CACHE_SPECS[k]))) for k, v in cache.items()}
+
+
 def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int | None = None,
-                 ctx: int = 256, interpret=None, **plan_kw):
+                 ctx: int = 256, interpret=None, mesh: int | None = None, **plan_kw):
     """A `step_fn(params, cache, tokens) -> (logits, cache)` backed by the kernel (the `params`
-    argument is ignored: weights are packed once here), for `mk.reference.generate`."""
+    argument is ignored: weights are packed once here), for `mk.reference.generate`.
+
+    mesh: number of devices (default 1); the layout is `mk.sharding.default_layout`. Caches
+    passed in are placed on the mesh on first use."""
+    from mk.sharding import default_layout
+
     kw = dict(plan_kw)
     if prefetch_depth is not None:
         kw["prefetch_depth"] = prefetch_depth
+    if mesh is not None and mesh > 1 and "layout" not in kw:
+        kw["layout"] = default_layout(cfg, mesh)
     plan = make_plan(cfg, batch, ctx=ctx, **kw)
-    weights = kernel_weights(plan, params)
-    step = make_decode_step(plan, interpret)
+    device_mesh = default_mesh(plan)
+    weights = kernel_weights(plan, params, device_mesh)
+    step = make_decode_step(plan, interpret, device_mesh)
 
     def step_fn(_params, cache, tokens):
-        return step(weights, cache, jnp.asarray(tokens, jnp.int32))
+        return step(weights, place_cache(cache, device_mesh), jnp.asarray(tokens, jnp.int32))
 
     step_fn.plan = plan
+    step_fn.mesh = device_mesh
     return step_fn
 
 

@@ -7,15 +7,21 @@ and MLA caches (aliased in place to the outputs). Inside, the layers run in a ru
 `lax.cond` branches. The embedding lookup, the final mix, norm and LM head are inside the kernel
 too: the step is this single call plus two trivial XLA ops (slice of the padded logits, pos + 1).
 
+On a mesh of N devices (mk.sharding) the same kernel runs once per device under `shard_map`,
+on that device's share of the weights, states and caches; six kinds of in-kernel collective
+(mk.kernel.collectives, listed by `Plan.collectives`) join the shares: the embedding sum, the
+attention output projection, layer 0's dense MLP, and the MoE's latent gather, routed sum and
+output sum. One device is the 1-device mesh: the collectives vanish, nothing else changes.
+
 The whole step, in one screen:
 
     embed tokens -> p;                       b_0 <- p at layer 0
     for l in layers:                         (runtime loop)
         x = Mix(p, b_0..; attn_res[l]);      if l % R == 0: b_{l/R} <- p
-        y = KDA(rms(x)) or MLA(rms(x));      p = y if l % R == 0 else p + y
+        y = KDA(rms(x)) or MLA(rms(x));      p = y if l % R == 0 else p + y      [attn_out]
         x = Mix(p, b_0..; mlp_res[l])
-        p = p + (DenseMLP(rms(x)) if l == 0 else MoE(rms(x)))
-    logits = rms(Mix(p, b_0..; output_res)) @ lm_head
+        p = p + (DenseMLP(rms(x)) if l == 0 else MoE(rms(x)))   [dense_out | moe_latent, moe_routed, moe_out]
+    logits = rms(Mix(p, b_0..; output_res)) @ lm_head          (this device's vocabulary columns)
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mk.config import K3Config
 from mk.kernel import refs as refs_mod
 from mk.kernel.attn_res import mix
+from mk.kernel.collectives import all_reduce, barrier
 from mk.kernel.dense_mlp import dense_mlp
 from mk.kernel.kda import kda
 from mk.kernel.mla import mla
@@ -67,11 +74,16 @@ EMBED_ROWS = 16  # bf16 sublane tile: embedding rows move in aligned groups of 1
 def _embed(k: StepContext):
     """p <- embedding rows of the step's tokens (padded rows 0).
 
-    HBM arrays are tiled too, so each token's row is fetched inside its aligned 16-row group and
-    picked out with an exact masked sum.
+    The vocabulary is split over the devices: each fetches the rows it owns (zeros for tokens it
+    does not) and the `embed` all-reduce adds the shares, exactly (one is nonzero). HBM arrays are
+    tiled too, so each token's row is fetched inside its aligned 16-row group and picked out with
+    an exact masked sum.
     """
-    r, B, R = k.refs, k.plan.batch, k.plan.rows
-    groups = [pl.multiple_of((r.tokens[b] // EMBED_ROWS) * EMBED_ROWS, EMBED_ROWS) for b in range(B)]
+    r, B, R, V = k.refs, k.plan.batch, k.plan.rows, k.plan.vocab_local
+    local = [r.tokens[b] - r.rank[0] * V for b in range(B)]
+    owned = [(t >= 0) & (t < V) for t in local]
+    local = [jnp.clip(t, 0, V - 1) for t in local]
+    groups = [pl.multiple_of((t // EMBED_ROWS) * EMBED_ROWS, EMBED_ROWS) for t in local]
     copies = [pltpu.make_async_copy(r.embed.at[pl.ds(groups[b], EMBED_ROWS)], r.embed_rows.at[b],
                                     r.embed_sems.at[b]) for b in range(B)]
     for c in copies:
@@ -79,11 +91,11 @@ def _embed(k: StepContext):
     for c in copies:
         c.wait()
     iota = jax.lax.broadcasted_iota(jnp.int32, (EMBED_ROWS, k.cfg.dim), 0)
-    rows = [jnp.sum(jnp.where(iota == r.tokens[b] % EMBED_ROWS, f32(r.embed_rows[b]), 0.0), axis=0, keepdims=True)
-            for b in range(B)]
+    rows = [jnp.sum(jnp.where((iota == local[b] % EMBED_ROWS) & owned[b], f32(r.embed_rows[b]), 0.0),
+                    axis=0, keepdims=True) for b in range(B)]
     if R > B:
         rows.append(jnp.zeros((R - B, k.cfg.dim), jnp.float32))
-    r.p[...] = bf(jnp.concatenate(rows, axis=0))
+    r.p[...] = bf(all_reduce(k, "embed", jnp.concatenate(rows, axis=0)))
 
 
 def _zero_scratch(r):
@@ -103,6 +115,8 @@ def decode_kernel(plan: Plan):
         k = StepContext(cfg, plan, r, ring)
         with jax.named_scope("step_init"):
             ring.reset()
+            if plan.devices > 1:
+                barrier(plan, r)
             _zero_scratch(r)
             k.vector_copy(0).start()
             _embed(k)
@@ -156,35 +170,34 @@ def on_tpu() -> bool:
 
 
 def build_call(plan: Plan, interpret=None):
-    """The pallas_call for one step. `interpret`: InterpretParams, False (compile for TPU), or None
-    (compile on a TPU backend, interpret elsewhere)."""
-    cfg = plan.config
+    """The pallas_call of one device's share of a step. `interpret`: InterpretParams, False
+    (compile for TPU), or None (compile on a TPU backend, interpret elsewhere)."""
     if interpret is None:
         interpret = False if on_tpu() else interpret_params()
-    n_prefetch = 2 + len(refs_mod.TABLES)
-    B, R = plan.batch, plan.rows
-    logits_cols = plan.stream(cfg.layers).pre[0].n
+    n_prefetch = len(refs_mod.SCALARS) + len(refs_mod.TABLES)
+    R = plan.rows
+    logits_cols = plan.stream(plan.config.layers).matrix("lm_head").n
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     n_in = len(refs_mod.INPUTS)
     # inputs 4..7 (states and caches) alias outputs 1..4; indices count the scalar-prefetch args.
     aliases = {n_prefetch + 4 + j: 1 + j for j in range(4)}
-
-    def out_shapes(states):
-        return [jax.ShapeDtypeStruct((R, logits_cols), jnp.float32)] + [
-            jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states]
+    # The entry barrier's semaphore exists only with a collective id (mesh runs).
+    collective = {"collective_id": 0} if plan.devices > 1 else {}
 
     def call(scalars, inputs):
         states = inputs[4:]
         return pl.pallas_call(
             decode_kernel(plan),
-            out_shape=out_shapes(states),
+            out_shape=[jax.ShapeDtypeStruct((R, logits_cols), jnp.float32)]
+                      + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states],
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=n_prefetch, grid=(),
                 in_specs=[any_spec] * n_in,
                 out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] + [any_spec] * 4,
                 scratch_shapes=refs_mod.scratch_shapes(plan)),
             input_output_aliases=aliases,
-            compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit, has_side_effects=False),
+            compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit, has_side_effects=False,
+                                                 **collective),
             interpret=interpret,
             name=KERNEL_NAME,
         )(*scalars, *inputs)
@@ -192,24 +205,56 @@ def build_call(plan: Plan, interpret=None):
     return call
 
 
-def make_decode_step(plan: Plan, interpret=None):
-    """step(weights, cache, tokens) -> (logits [B, V] f32, new cache); one pallas_call.
+def default_mesh(plan: Plan):
+    """The mesh a plan runs on: its N devices of `jax.devices()` (one device: the first)."""
+    from mk.sharding import make_mesh
+    return make_mesh(plan.layout)
 
-    weights: `kernel_weights(plan, params)`; cache: as `mk.reference.init_cache` (same layout);
-    tokens [B] int32. The cache is donated and updated in place.
-    """
-    cfg = plan.config
+
+def sharded_step(plan: Plan, mesh, interpret=None):
+    """`step(weights, cache, tokens) -> (logits [B, V] f32, cache)` as one `shard_map` over `mesh`
+    of one pallas_call per device; weights from `mk.kernel.kernel_weights(plan, params, mesh)`."""
+    from jax.sharding import PartitionSpec as P
+    from mk.sharding import ALL, CACHE_SPECS
+
+    cfg, N, B, V = plan.config, plan.devices, plan.batch, plan.vocab_local
     call = build_call(plan, interpret)
     tables = plan.tables()
+    state_names = ("kda_state", "conv_state", "mla_k", "mla_v")
+    state_specs = tuple(P(*CACHE_SPECS[n]) for n in state_names)
+    n_tables = len(refs_mod.TABLES)
+
+    def per_device(tokens, positions, rank, table_args, embed, tiles, experts, vectors, states):
+        logits, *new_states = call([tokens, positions, rank, *table_args],
+                                   [embed, tiles, experts, vectors, *states])
+        return logits, tuple(new_states)
+
+    mapped = jax.shard_map(
+        per_device, mesh=mesh,
+        in_specs=(P(), P(), P(ALL), (P(),) * n_tables, P(ALL), P(ALL), P(ALL), P(ALL), state_specs),
+        out_specs=(P(ALL), state_specs), check_vma=False)
 
     def step(weights, cache, tokens):
-        scalars = [tokens.astype(jnp.int32), cache["pos"].astype(jnp.int32)] + [
-            jnp.asarray(tables[n]) for n in refs_mod.TABLES]
-        inputs = [weights["embed"], weights["tiles"], weights["experts"], weights["vectors"],
-                  cache["kda_state"], cache["conv_state"], cache["mla_k"], cache["mla_v"]]
-        logits, kda_state, conv_state, mla_k, mla_v = call(scalars, inputs)
-        new_cache = {"pos": cache["pos"] + 1, "kda_state": kda_state, "conv_state": conv_state,
-                     "mla_k": mla_k, "mla_v": mla_v}
-        return logits[:plan.batch, :cfg.vocab], new_cache
+        rank = jnp.arange(N, dtype=jnp.int32)
+        table_args = tuple(jnp.asarray(tables[n]) for n in refs_mod.TABLES)
+        states = tuple(cache[n] for n in state_names)
+        logits, new_states = mapped(tokens.astype(jnp.int32), cache["pos"].astype(jnp.int32), rank,
+                                    table_args, weights["embed"], weights["tiles"], weights["experts"],
+                                    weights["vectors"], states)
+        # [N * rows, cols] (device r's vocabulary block r) -> [B, V]
+        logits = logits.reshape(N, plan.rows, -1)[:, :B, :V].transpose(1, 0, 2).reshape(B, N * V)
+        new_cache = dict(zip(state_names, new_states), pos=cache["pos"] + 1)
+        return logits, new_cache
 
+    return step
+
+
+def make_decode_step(plan: Plan, interpret=None, mesh=None):
+    """step(weights, cache, tokens) -> (logits [B, V] f32, new cache); one pallas_call per device.
+
+    weights: `kernel_weights(plan, params, mesh)`; cache: as `mk.reference.init_cache` (same
+    layout; on a mesh, sharded as `mk.sharding.cache_specs`); tokens [B] int32. The cache is
+    donated and updated in place. `mesh`: default `default_mesh(plan)`.
+    """
+    step = sharded_step(plan, mesh if mesh is not None else default_mesh(plan), interpret)
     return jax.jit(step, donate_argnums=(1,))

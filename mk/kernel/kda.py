@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk.kernel.collectives import all_reduce
 from mk.layers.common import bf, f32, rms, sigmoid
 from mk.layers.kda import QK_NORM_EPS
 
@@ -48,11 +49,15 @@ class StateCopies:
 
 
 def kda(k, a, i):
-    """a [R, d] bf16 (normalized input), i: traced KDA index -> y [R, d] bf16."""
+    """a [R, d] bf16 (normalized input), i: traced KDA index -> y [R, d] bf16.
+
+    This device runs its H = heads / N heads; the output projection's partial sums meet in the
+    `attn_out` all-reduce."""
     cfg, r, ring = k.cfg, k.refs, k.ring
-    B, H, D, HD = k.plan.batch, cfg.heads, cfg.head_dim, cfg.attn_width
+    B, H, D, HD = k.plan.batch, k.plan.heads, cfg.head_dim, k.plan.attn_width
     C = cfg.conv_size
-    f_a, f_b, proj, o_proj = k.plan.stream(cfg.kda_layers[0]).pre[:4]
+    s = k.plan.stream(cfg.kda_layers[0])
+    f_a, f_b, proj, o_proj = (s.matrix(n) for n in ("kda.f_a", "kda.f_b", "kda.in", "kda.o"))
     copies = StateCopies(r, i, B)
 
     with jax.named_scope("kda_state_in"):
@@ -111,7 +116,7 @@ def kda(k, a, i):
         for c in stores:
             c.start()
     with jax.named_scope("kda_out_proj"):
-        out = bf(ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])
+        out = bf(all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim]))
     for c in stores:
         c.wait()
     return out

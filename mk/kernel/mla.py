@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk.kernel.collectives import all_reduce
 from mk.layers.common import bf, f32, rms, sigmoid
 
 BLOCK = 128  # cache positions per DMA block
@@ -27,7 +28,7 @@ def _block_copies(r, b, i, j):
 def _attend_row(k, b, i):
     """Online-softmax attention of row b over positions 0..pos[b]; writes attn_out row b."""
     cfg, r = k.cfg, k.refs
-    H, D, Kc = cfg.heads, cfg.head_dim, cfg.k_cache_dim
+    H, D, Kc = k.plan.heads, cfg.head_dim, cfg.k_cache_dim
     pos = r.positions[b]
     n_blocks = pos // BLOCK + 1
     r.softmax[0] = jnp.full((H, 1, 128), -jnp.inf, jnp.float32)
@@ -93,10 +94,14 @@ def _attend_row(k, b, i):
 
 
 def mla(k, a, i):
-    """a [R, d] bf16 (normalized input), i: traced MLA index -> y [R, d] bf16."""
+    """a [R, d] bf16 (normalized input), i: traced MLA index -> y [R, d] bf16.
+
+    q_a / kv_a are replicated (every device computes c_q, c_kv); q_b, kv_b, the gate and the
+    cache hold this device's heads; the output projection's partials meet in `attn_out`."""
     cfg, r, ring = k.cfg, k.refs, k.ring
     D = cfg.head_dim
-    proj, q_b, kv_b, o_proj = k.plan.stream(cfg.mla_layers[0]).pre[:4]
+    s = k.plan.stream(cfg.mla_layers[0])
+    proj, q_b, kv_b, o_proj = (s.matrix(n) for n in ("mla.in", "mla.q_b", "mla.kv_b", "mla.o"))
     with jax.named_scope("mla_projections"):
         y = ring.matmul(a, proj)
         q_a, kv_a, g = (y[:, p.offset:p.offset + p.width] for p in proj.parts)
@@ -111,4 +116,4 @@ def mla(k, a, i):
         for b in range(k.plan.batch):
             _attend_row(k, b, i)
     with jax.named_scope("mla_out_proj"):
-        return bf(ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])
+        return bf(all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim]))

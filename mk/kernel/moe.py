@@ -6,12 +6,26 @@ matmul and publishes the layer's distinct experts (ascending id, union over the 
 the ring, which can then fetch expert tiles while the shared expert still computes. Each distinct
 expert is fetched once and applied to all rows; rows that did not choose it weigh it by exactly 0,
 so each row accumulates its own experts in ascending id order, as the reference does.
+
+On a mesh (mk.sharding): the router is replicated, so every device makes the same routing
+decisions; a device runs only the chosen experts of its expert group (E / ep of them), over its
+slice of each expert's FFN width. Three collectives:
+
+    latent_down (this device's latent slice) --moe_latent all-gather--> l [R, N * latent_block]
+    experts on l -> routed partial [R, N * latent_block] --moe_routed all-reduce--> r_sum
+    latent norm of r_sum (statistics over the whole width), this device's slice @ latent_up rows
+        + shared-expert partial (its slice of the shared width) --moe_out all-reduce--> z
+
+The routed and shared partials are summed anyway, so one all-reduce carries both.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jax.experimental import pallas as pl
+
+from mk.kernel.collectives import all_gather, all_reduce
 from mk.layers.common import bf, f32, rms, sigmoid, situ
 
 
@@ -38,16 +52,24 @@ def route(k, scores_raw, bias):
     return coef, any_row
 
 
+def expert_group_base(k):
+    """Global id of this device's first expert (its expert group times E / ep)."""
+    return (k.refs.rank[0] // k.plan.layout.tp_expert) * k.plan.local_experts
+
+
 def publish_distinct(k, layer, any_row):
-    """Write the ascending ids of experts chosen by any row to SMEM and unblock the ring."""
+    """Write the ascending local ids of this device's experts chosen by any row to SMEM and
+    unblock the ring."""
     r, E = k.refs, k.cfg.experts
     lane = jax.lax.broadcasted_iota(jnp.int32, any_row.shape, 1)
+    base = expert_group_base(k)
+    mine = (lane >= base) & (lane < base + k.plan.local_experts)
 
     def next_id(j, carry):
         remaining, count = carry
-        e = jnp.min(jnp.where(remaining > 0, lane, E))
+        e = jnp.min(jnp.where((remaining > 0) & mine, lane, E))
         found = e < E
-        r.distinct[j] = jnp.where(found, e, 0)
+        r.distinct[j] = jnp.where(found, e - base, 0)
         return jnp.where(lane == e, 0, remaining), count + found.astype(jnp.int32)
 
     _, count = jax.lax.fori_loop(0, k.plan.max_distinct_experts, next_id, (any_row, jnp.int32(0)))
@@ -58,32 +80,39 @@ def publish_distinct(k, layer, any_row):
 def moe(k, m, layer):
     """m [R, d] bf16 (normalized input) -> z [R, d] bf16."""
     cfg, r, ring, plan = k.cfg, k.refs, k.ring, k.plan
-    router, fused_in, shared_down = plan.stream(1).pre[-3:]
-    (latent_up,) = plan.stream(1).post
-    E_pad = router.n
+    s = plan.stream(1)
+    router, fused_in, shared_down, latent_up = (
+        s.matrix(n) for n in ("moe.router", "moe.in", "moe.shared_down", "moe.latent_up"))
+    E_pad, lb = router.n, plan.latent_block
     with jax.named_scope("moe_routing"):
         coef, any_row = route(k, ring.matmul(m, router), k.vec("router_bias", E_pad))
         r.route_coef[...] = coef
         n_distinct = publish_distinct(k, layer, any_row)
     with jax.named_scope("moe_shared"):
         y = ring.matmul(m, fused_in)
-        latent, sg, su = (bf(y[:, p.offset:p.offset + p.width]) for p in fused_in.parts)
+        _, sg, su = (bf(y[:, p.offset:p.offset + p.width]) for p in fused_in.parts)
+        latent = all_gather(k, "moe_latent", bf(y[:, :lb]))                  # [R, N * lb]
         h = situ(sg, su, cfg.situ_beta, cfg.situ_linear_beta)
-        z_shared = ring.matmul(h, shared_down)[:, :cfg.dim]
+        z_shared = ring.matmul(h, shared_down)[:, :cfg.dim]                   # partial on a mesh
     with jax.named_scope("moe_experts"):
         gu_m, down_m = plan.expert_gu, plan.expert_down
         lane = jax.lax.broadcasted_iota(jnp.int32, (plan.rows, E_pad), 1)
+        base = expert_group_base(k)
         r.routed_acc[...] = jnp.zeros(r.routed_acc.shape, jnp.float32)
 
         def expert(j):
-            e = r.distinct[j]
+            e = r.distinct[j] + base
             gu = ring.matmul(latent, gu_m)
             g, u = (bf(gu[:, p.offset:p.offset + p.width]) for p in gu_m.parts)
-            out = bf(ring.matmul(situ(g, u, cfg.situ_beta, cfg.situ_linear_beta), down_m)[:, :cfg.latent])
+            out = bf(ring.matmul(situ(g, u, cfg.situ_beta, cfg.situ_linear_beta), down_m)[:, :plan.latent_padded])
             weight = jnp.sum(jnp.where(lane == e, r.route_coef[...], 0.0), axis=-1, keepdims=True)
             r.routed_acc[...] = r.routed_acc[...] + weight * f32(out)
         ring.fori(0, n_distinct, expert)
     with jax.named_scope("moe_latent_up"):
-        r_n = rms(bf(r.routed_acc[...]), k.vec("latent_norm", cfg.latent), cfg.eps)
-        z_routed = ring.matmul(r_n, latent_up)[:, :cfg.dim]
-    return bf(z_routed + z_shared)
+        r_sum = f32(bf(all_reduce(k, "moe_routed", r.routed_acc[...])))      # [R, N * lb]
+        r.routed_acc[...] = r_sum
+        mine = r.routed_acc[:, pl.ds(pl.multiple_of(r.rank[0] * lb, 128), lb)]
+        inv = jnp.sqrt(jnp.sum(r_sum * r_sum, axis=-1, keepdims=True) / cfg.latent + cfg.eps)
+        r_n = bf(mine / inv * k.vec("latent_norm", lb))
+        z_routed = ring.matmul(r_n, latent_up)[:, :cfg.dim]                  # partial on a mesh
+    return bf(all_reduce(k, "moe_out", z_routed + z_shared))

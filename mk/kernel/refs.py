@@ -17,14 +17,15 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 # name -> (memory space, shape fn, dtype); order = the kernel's scratch argument order.
 def _scratch(plan: Plan):
     c, R, B = plan.config, plan.rows, plan.batch
-    H, D, HD, d = c.heads, c.head_dim, c.attn_width, c.dim
+    H, D, HD, d = plan.heads, c.head_dim, plan.attn_width, c.dim     # this device's heads
+    N, W = plan.devices, plan.exchange_width
     E_pad = round_up(c.experts, 128)
     VM, SM, DMA = pltpu.VMEM, pltpu.SMEM, pltpu.SemaphoreType.DMA
     return {
         # weight ring
         "slots": VM((plan.num_slots, plan.tile_k, plan.tile_n), BF16),   # [S, TK, TN]
         "slot_sems": DMA((plan.num_slots,)),
-        "distinct": SM((max(c.experts, 1),), jnp.int32),                 # routed layer's experts
+        "distinct": SM((max(plan.local_experts, 1),), jnp.int32),        # local ids of chosen experts
         "xbuf": VM((R, plan.k_max), BF16),                               # matmul input  [R, K]
         "ybuf": VM((R, plan.n_max), F32),                                # matmul output [R, N]
         # residual state
@@ -53,8 +54,14 @@ def _scratch(plan: Plan):
         "softmax_acc": VM((H, 1, D), F32),
         # MoE
         "route_coef": VM((R, E_pad), F32),                               # routing weight, 0 = not chosen
-        "routed_acc": VM((R, c.latent), F32),
-    }
+        "routed_acc": VM((R, plan.latent_padded), F32),                  # [R, N * latent_block]
+    } | ({
+        # collectives (mk.kernel.collectives): double-buffered by parity, one landing slot per rank
+        "landing": VM((2, N, R, W), BF16),                               # [parity, source, row, lane]
+        "send": VM((2, R, W), BF16),                                     # [parity, row, lane]
+        "send_sems": DMA((2, N)),                                        # [parity, destination]
+        "recv_sems": DMA((2, N)),                                        # [parity, source]
+    } if N > 1 else {})
 
 
 def scratch_shapes(plan: Plan) -> list:
@@ -65,6 +72,7 @@ def scratch_names(plan: Plan) -> list[str]:
     return list(_scratch(plan).keys())
 
 
+SCALARS = ("tokens", "positions", "rank")   # [B], [B], [1]: this device's rank in the mesh
 TABLES = ("expert_at", "next_base", "is_mla", "family_index", "n_attn_blocks", "n_mlp_blocks")
 INPUTS = ("embed", "tiles", "experts", "vectors_hbm", "kda_state_in", "conv_state_in", "mla_k_in", "mla_v_in")
 OUTPUTS = ("logits", "kda_state_hbm", "conv_state_hbm", "mla_k_hbm", "mla_v_hbm")
@@ -74,7 +82,7 @@ class Refs:
     """Attribute access to every ref of the kernel, by the names above."""
 
     def __init__(self, plan: Plan, args):
-        names = ["tokens", "positions", *TABLES, *INPUTS, *OUTPUTS, *scratch_names(plan)]
+        names = [*SCALARS, *TABLES, *INPUTS, *OUTPUTS, *scratch_names(plan)]
         assert len(names) == len(args), (len(names), len(args))
         self.__dict__.update(zip(names, args))
         self.tables = {n: getattr(self, n) for n in TABLES}

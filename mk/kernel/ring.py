@@ -38,15 +38,15 @@ class WeightRing:
     plan: Plan
     tables: dict              # SMEM refs: expert_at, next_base [L + 1] int32
     tiles_hbm: object         # [dense_tiles, tile_k, tile_n] bf16 (HBM)
-    experts_hbm: object       # [n_moe, E, expert_tiles, tile_k, tile_n] bf16 (HBM)
+    experts_hbm: object       # [n_moe, E_local, expert_tiles, tile_k, tile_n] bf16 (HBM)
     slots: object             # [num_slots, tile_k, tile_n] bf16 (VMEM)
     sems: object              # DMA semaphores [num_slots]
-    distinct: object          # [max(E, 1)] int32 (SMEM): distinct experts of the routed layer
+    distinct: object          # [max(E_local, 1)] int32 (SMEM): local ids of the routed layer's experts
     xbuf: object              # [rows, k_max] bf16 (VMEM): matmul input
     ybuf: object              # [rows, n_max] f32 (VMEM): matmul output
     c: dict = None
 
-    FIELDS = ("issued", "consumed", "dense_next", "layer", "expert_pos", "routed", "n_distinct")
+    FIELDS = ("issued", "consumed", "dense_next", "layer", "expert_pos", "routed", "n_distinct", "coll")
 
     def reset(self):
         self.c = {f: jnp.int32(-1 if f == "routed" else 0) for f in self.FIELDS}
