@@ -103,6 +103,17 @@ def _logits(args) -> int:
         if not tokens:
             raise UserError("--text: the text encodes to no tokens")
     check_vocab(tokens, cfg.vocab, "--tokens" if args.text is None else "--text")
+    from mk.distributed import is_main_process, mesh_from_args
+    mesh = mesh_from_args(args, cfg, args.backend)
+    if mesh is not None:                                   # the sharded reference over the mesh
+        from mk import reference_sharded
+        from mk.checkpoint import load_sharded
+        params = load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.no_progress))
+        logits = reference_sharded.teacher_forced_logits(params, cfg, tokens, mesh)
+        if is_main_process():
+            np.save(args.out, np.asarray(logits, np.float32))
+            print(f"wrote {args.out}: float32 logits {list(logits.shape)} (reference on {mesh.size} devices)")
+        return 0
     params = load(args.checkpoint, progress=on_terminal(not args.no_progress))
     if args.backend == "kernel":
         with _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
@@ -278,6 +289,8 @@ def add_parser(subparsers):
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
     p.add_argument("--no-progress", action="store_true")
     add_step_options(p)
+    from mk.distributed import add_distributed_args
+    add_distributed_args(p)
     p.set_defaults(func=_logits)
 
     p = subparsers.add_parser("load", help="load a checkpoint (optionally benchmark the load)")

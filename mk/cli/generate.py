@@ -125,13 +125,23 @@ def run(args) -> int:
     if total > ctx:
         raise GenerateError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
                             f"= {total} exceed --ctx {ctx}")
+    from mk.distributed import is_main_process, mesh_from_args
+    mesh = mesh_from_args(args, cfg, args.backend)          # None: one device
     if args.checkpoint is not None:
-        params = _optional_module("mk.checkpoint", "--checkpoint").load(args.checkpoint,
-                                                                        progress=on_terminal(not args.json))
+        ckpt = _optional_module("mk.checkpoint", "--checkpoint")
+        params = (ckpt.load(args.checkpoint, progress=on_terminal(not args.json)) if mesh is None else
+                  ckpt.load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.json)))
     else:
         from mk.params import init
         params = init(cfg, args.seed)
-    step_fn = _step_fn(args, params, cfg, ctx)
+        if mesh is not None:
+            from mk.reference_sharded import shard_params
+            params = shard_params(params, mesh)
+    if mesh is None:
+        step_fn = _step_fn(args, params, cfg, ctx)
+    else:                                                   # the sharded reference over the mesh
+        from mk.reference_sharded import step_fn_for
+        step_fn = step_fn_for(cfg, mesh)
     stop_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
     bar = None
     if step_fn is not None:       # the kernel (interpret mode on CPU) takes seconds per token
@@ -145,12 +155,15 @@ def run(args) -> int:
     finally:
         if bar is not None:
             bar.close()
+    if not is_main_process():                               # multi-process: process 0 reports
+        return 0
     rows = [[int(t) for t in row] for row in np.asarray(res["tokens"])]
     texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
     if args.json:
         out = {"tokens": rows, "prompt_tokens": prompt,
                "prefill_s": res["prefill_s"], "decode_s": res["decode_s"], "tokens_per_s": res["tokens_per_s"],
                "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
+               "mesh": None if mesh is None else mesh.size,
                "batch": args.batch, "ctx": ctx, "max_new_tokens": args.max_new_tokens,
                "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
         if texts is not None:
@@ -184,5 +197,7 @@ def add_parser(subparsers):
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
     p.add_argument("--json", action="store_true", help="print tokens and timings as one JSON object")
     add_step_options(p)
+    from mk.distributed import add_distributed_args
+    add_distributed_args(p)
     p.set_defaults(func=run)
     return p
