@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mk import sharding
 from mk.config import K3Config
 from mk.layers.attn_res import mix
-from mk.layers.common import F32, bf, f32, mm, pad_rows, rms, rows_padded, sigmoid
+from mk.layers.common import F32, bf, f32, mm, pad_rows, rms, rows_padded, sigmoid, situ
 from mk.layers.kda import decay, delta_rule, l2_normalize, output_gate, short_conv
 from mk.layers.mla import attend, project_qkv, write_cache
 from mk.layers.moe import expert, route
@@ -103,14 +103,12 @@ def _mla_local(a, w: dict, k_cache, v_cache, pos, cfg: K3Config):
 
 
 def _dense_local(m, w: dict, cfg: K3Config):
-    from mk.layers.common import situ
     h = situ(bf(mm(m, w["gate"])), bf(mm(m, w["up"])), cfg.situ_beta, cfg.situ_linear_beta)
     return bf(reduce_bf16(mm(h, w["down"])))
 
 
 def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):
     """`mk.layers.moe.moe` on this rank's share -> (z [B, d] bf16, (ids [B, k], route margin [B]))."""
-    from mk.layers.common import situ
     r = _rank()
     ids, weights = route(m, w["router"], w["router_bias"], cfg.top_k)   # replicated
     latent = jax.lax.all_gather(bf(mm(m, w["latent_down"])), ALL, axis=1, tiled=True)   # [B, Lt]
