@@ -8,15 +8,16 @@
   bf16 bit of some elements of the residual stream p; through 4-8 layers that shows up in the
   logits (std ~1) as max |err| ~0.05 over these runs (mean <= 0.01) -- measured (batch 4, 4
   steps): mini/2 0.056 (mean 0.0096; one greedy flip at a top-2 gap of 0.0009), mini-tp8/8
-  0.051 (0.0064), mini-tp8/2 0.051 (0.0064), mini-tp8/4 0.047 (0.0068). The same step with an fp32 wire instead gives a mean error 3-4x
-  smaller, i.e. the difference is the wire rounding, not a wrong split (which gives O(1) errors).
+  0.051 (0.0064), mini-tp8/2 0.051 (0.0064), mini-tp8/4 0.047 (0.0068). The same step with an
+  fp32 wire instead gives a mean error 3-4x smaller, i.e. the difference is the wire rounding, not a wrong split (which gives O(1) errors).
   Tolerances: max |err| <= TOL_MAX = 0.1, mean |err| <= TOL_MEAN = 0.02, greedy tokens equal except
   at a reference near-tie (top-2 gap < mk.check.NEAR_TIE = 0.05), at most one flip per run; caches
   relative (Frobenius) error <= TOL_CACHE = 0.05 (measured <= 0.015, kda_state on mini/2).
   A router near-tie (k-th vs (k+1)-th biased score closer than ROUTER_TIE = 0.005, which the
   router's input noise can cross) may pick another expert, a legitimate O(1) change for that row:
-  such a row is exempt from the step it happens on (at most one per run). Seen once: mini-tp8
-  row 0, step 3, margin 0.0004 -> logits err 0.7 there, 0.04 elsewhere.
+  such a row is exempt from the step it happens on (at most one per run). Seen: mini-tp8 (batch
+  2) row 0, step 3, margin 0.0004 -> logits err 0.7 there, 0.04 elsewhere; at batch 4 one such
+  row per run (mini row 1 from step 2, mini-tp8 row 3 from step 2).
   Meshes: mini on 2 (ep 2 x tp 1), mini-tp8 on 8 (ep 4 x tp 2); 1 device on mini-tp8
   (bit-identical). mini-tp8 on 2 (ep 2 x tp 1) and 4 (ep 4 x tp 1) run with MK_SHARDED_FULL=1
   (each compile costs 20-40 s here).
