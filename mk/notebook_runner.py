@@ -42,6 +42,23 @@ def _browser() -> str | None:
     return None
 
 
+class _DropIgnoredJSONError:
+    """choreographer (kaleido's browser driver) logs a full traceback for a browser message it cannot
+    parse and then, by design, ignores; Debian's headless shell sends such messages. Drop exactly that
+    record (every other choreographer error still shows)."""
+    MESSAGE = "JSONError decoding message. Ignoring"
+
+    def filter(self, record) -> bool:
+        return record.getMessage() != self.MESSAGE
+
+
+def _quiet_choreographer():
+    import logging
+    log = logging.getLogger("choreographer.channels.pipe")
+    if not any(isinstance(f, _DropIgnoredJSONError) for f in log.filters):
+        log.addFilter(_DropIgnoredJSONError())
+
+
 def save_figure(fig, name: str, out_dir: str | os.PathLike | None = None) -> str | None:
     """Write a plotly figure as DIR/name.png (kaleido + headless browser) or DIR/name.html.
     DIR = out_dir or $MK_NOTEBOOK_FIGURES; returns the path written, or None if no folder is set."""
@@ -53,6 +70,7 @@ def save_figure(fig, name: str, out_dir: str | os.PathLike | None = None) -> str
     if _browser():
         try:
             path = d / f"{name}.png"
+            _quiet_choreographer()
             fig.write_image(str(path))
             return str(path)
         except Exception as e:  # kaleido / browser trouble: fall back to HTML
