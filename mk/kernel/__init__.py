@@ -34,14 +34,15 @@ def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
     place = lambda x: jax.device_put(x, NamedSharding(mesh, P(ALL)))
     out = {k: place(np.concatenate([s[k] for s in shares])) for k in shares[0]}
     out["embed"] = place(np.asarray(params["embed"]))
-    return out
+    return jax.block_until_ready(out)
 
 
 def place_cache(cache: dict, mesh) -> dict:
     """Put a cache (mk.reference.init_cache layout) on `mesh`, sharded as mk.sharding says."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from mk.sharding import CACHE_SPECS
-    return {k: jax.device_put(v, NamedSharding(mesh, P(*CACHE_SPECS[k]))) for k, v in cache.items()}
+    return jax.block_until_ready(
+        {k: jax.device_put(v, NamedSharding(mesh, P(*CACHE_SPECS[k]))) for k, v in cache.items()})
 
 
 def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int | None = None,

@@ -179,8 +179,8 @@ def build_call(plan: Plan, interpret=None):
     logits_cols = plan.stream(plan.config.layers).matrix("lm_head").n
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     n_in = len(refs_mod.INPUTS)
-    # inputs 4..7 (states and caches) alias outputs 1..4; indices count the scalar-prefetch args.
-    aliases = {n_prefetch + 4 + j: 1 + j for j in range(4)}
+    # inputs 4..7 (states and caches) alias outputs 2..5; indices count the scalar-prefetch args.
+    aliases = {n_prefetch + 4 + j: 2 + j for j in range(4)}
     # The entry barrier's semaphore exists only with a collective id (mesh runs).
     collective = {"collective_id": 0} if plan.devices > 1 else {}
 
@@ -188,12 +188,13 @@ def build_call(plan: Plan, interpret=None):
         states = inputs[4:]
         return pl.pallas_call(
             decode_kernel(plan),
-            out_shape=[jax.ShapeDtypeStruct((R, logits_cols), jnp.float32)]
+            out_shape=[jax.ShapeDtypeStruct((R, logits_cols), jnp.float32),       # logits (vocab block)
+                       jax.ShapeDtypeStruct((R, plan.config.dim), jnp.bfloat16)]   # final prefix p
                       + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states],
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=n_prefetch, grid=(),
                 in_specs=[any_spec] * n_in,
-                out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] + [any_spec] * 4,
+                out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] * 2 + [any_spec] * 4,
                 scratch_shapes=refs_mod.scratch_shapes(plan)),
             input_output_aliases=aliases,
             compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit, has_side_effects=False,
@@ -211,13 +212,20 @@ def default_mesh(plan: Plan):
     return make_mesh(plan.layout)
 
 
-def sharded_step(plan: Plan, mesh, interpret=None):
+def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
     """`step(weights, cache, tokens) -> (logits [B, V] f32, cache)` as one `shard_map` over `mesh`
-    of one pallas_call per device; weights from `mk.kernel.kernel_weights(plan, params, mesh)`."""
+    of one pallas_call per device; weights from `mk.kernel.kernel_weights(plan, params, mesh)`.
+    return_prefix: also return every device's final residual prefix p, [N, B, d] bf16 (replicated
+    state: the same bits on every device)."""
     from jax.sharding import PartitionSpec as P
     from mk.sharding import ALL, CACHE_SPECS
 
     cfg, N, B, V = plan.config, plan.devices, plan.batch, plan.vocab_local
+    if interpret is None:
+        interpret = False if on_tpu() else interpret_params()
+    if interpret is not False and N > 1:
+        from mk.kernel.interpret_shim import install
+        install()
     call = build_call(plan, interpret)
     tables = plan.tables()
     state_names = ("kda_state", "conv_state", "mla_k", "mla_v")
@@ -225,36 +233,38 @@ def sharded_step(plan: Plan, mesh, interpret=None):
     n_tables = len(refs_mod.TABLES)
 
     def per_device(tokens, positions, rank, table_args, embed, tiles, experts, vectors, states):
-        logits, *new_states = call([tokens, positions, rank, *table_args],
-                                   [embed, tiles, experts, vectors, *states])
-        return logits, tuple(new_states)
+        logits, prefix, *new_states = call([tokens, positions, rank, *table_args],
+                                           [embed, tiles, experts, vectors, *states])
+        return logits, prefix, tuple(new_states)
 
     mapped = jax.shard_map(
         per_device, mesh=mesh,
         in_specs=(P(), P(), P(ALL), (P(),) * n_tables, P(ALL), P(ALL), P(ALL), P(ALL), state_specs),
-        out_specs=(P(ALL), state_specs), check_vma=False)
+        out_specs=(P(ALL), P(ALL), state_specs), check_vma=False)
 
     def step(weights, cache, tokens):
         rank = jnp.arange(N, dtype=jnp.int32)
         table_args = tuple(jnp.asarray(tables[n]) for n in refs_mod.TABLES)
         states = tuple(cache[n] for n in state_names)
-        logits, new_states = mapped(tokens.astype(jnp.int32), cache["pos"].astype(jnp.int32), rank,
+        logits, prefix, new_states = mapped(tokens.astype(jnp.int32), cache["pos"].astype(jnp.int32), rank,
                                     table_args, weights["embed"], weights["tiles"], weights["experts"],
                                     weights["vectors"], states)
         # [N * rows, cols] (device r's vocabulary block r) -> [B, V]
         logits = logits.reshape(N, plan.rows, -1)[:, :B, :V].transpose(1, 0, 2).reshape(B, N * V)
         new_cache = dict(zip(state_names, new_states), pos=cache["pos"] + 1)
+        if return_prefix:
+            return logits, new_cache, prefix.reshape(N, plan.rows, -1)[:, :B]
         return logits, new_cache
 
     return step
 
 
-def make_decode_step(plan: Plan, interpret=None, mesh=None):
+def make_decode_step(plan: Plan, interpret=None, mesh=None, return_prefix: bool = False):
     """step(weights, cache, tokens) -> (logits [B, V] f32, new cache); one pallas_call per device.
 
     weights: `kernel_weights(plan, params, mesh)`; cache: as `mk.reference.init_cache` (same
     layout; on a mesh, sharded as `mk.sharding.cache_specs`); tokens [B] int32. The cache is
     donated and updated in place. `mesh`: default `default_mesh(plan)`.
     """
-    step = sharded_step(plan, mesh if mesh is not None else default_mesh(plan), interpret)
+    step = sharded_step(plan, mesh if mesh is not None else default_mesh(plan), interpret, return_prefix)
     return jax.jit(step, donate_argnums=(1,))

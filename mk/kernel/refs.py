@@ -29,7 +29,6 @@ def _scratch(plan: Plan):
         "xbuf": VM((R, plan.k_max), BF16),                               # matmul input  [R, K]
         "ybuf": VM((R, plan.n_max), F32),                                # matmul output [R, N]
         # residual state
-        "p": VM((R, d), BF16),                                           # prefix since block start
         "blocks": VM((c.n_blocks, R, d), F32),                           # snapshots b_0..b_{n-1}
         "embed_rows": VM((B, 16, d), BF16),                              # embedding row groups
         "embed_sems": DMA((B,)),
@@ -75,7 +74,7 @@ def scratch_names(plan: Plan) -> list[str]:
 SCALARS = ("tokens", "positions", "rank")   # [B], [B], [1]: this device's rank in the mesh
 TABLES = ("expert_at", "next_base", "is_mla", "family_index", "n_attn_blocks", "n_mlp_blocks")
 INPUTS = ("embed", "tiles", "experts", "vectors_hbm", "kda_state_in", "conv_state_in", "mla_k_in", "mla_v_in")
-OUTPUTS = ("logits", "kda_state_hbm", "conv_state_hbm", "mla_k_hbm", "mla_v_hbm")
+OUTPUTS = ("logits", "p", "kda_state_hbm", "conv_state_hbm", "mla_k_hbm", "mla_v_hbm")
 
 
 class Refs:
