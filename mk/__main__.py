@@ -67,6 +67,8 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(_glue_negative_values(argv))
     except SystemExit as e:                       # --help (0) or a usage error (2, already printed)
         return int(e.code or 0)
+    from mk.cli.common import use_virtual_devices
+    use_virtual_devices(getattr(args, "mesh", None))    # --mesh N on CPU: N virtual devices
     try:
         return int(args.func(args) or 0)
     except UserError as e:

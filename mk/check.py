@@ -112,9 +112,19 @@ def races_found() -> bool:
     return bool(ipc.races is not None and ipc.races.races_found)
 
 
+def bf16_ulps(k, r) -> float:
+    """max |k - r| in units of one bf16 ulp of r (the larger of |r| and the smallest normal)."""
+    k, r = np.asarray(k, np.float32), np.asarray(r, np.float32)
+    mag = np.maximum(np.abs(r), np.float32(2.0 ** -126))
+    ulp = np.exp2(np.floor(np.log2(mag)) - 7)
+    return float(np.max(np.abs(k - r) / ulp)) if k.size else 0.0
+
+
 def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | None = None, *,
           seed: int = 0, ctx: int = 256, detect_races: bool = True, dma_execution_mode: str = "on_wait",
-          params=None, prompt_len: int = 3, progress: bool = False) -> dict:
+          params=None, prompt_len: int = 3, progress: bool = False, mesh: int = 1) -> dict:
+    """mesh > 1: the sharded kernel on `mesh` devices against the sharded reference
+    (`mk.reference_sharded`) on the same mesh, which rounds its partial sums the same way."""
     from mk import params as params_mod
     from mk import reference
     from mk.kernel import interpret_params, make_step_fn, on_tpu
@@ -123,8 +133,15 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     params = params if params is not None else params_mod.init(cfg, seed)
     interp = None if on_tpu() else interpret_params(detect_races, dma_execution_mode)
     kw = {} if prefetch_depth is None else {"prefetch_depth": prefetch_depth}
-    step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, **kw)
+    step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, mesh=mesh, **kw)
     plan = step_fn.plan
+    if mesh > 1:
+        from mk import reference_sharded as rs
+        ref_params = rs.shard_params(params, step_fn.mesh)
+        ref_step = rs.step_fn_for(cfg, step_fn.mesh)
+    else:
+        ref_params = params
+        ref_step = lambda p, c, t: reference.decode_step(p, c, t, cfg=cfg)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, cfg.vocab, (batch, max(1, min(prompt_len, steps))), dtype=np.int32)
 
@@ -134,6 +151,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     worst, scale, greedy, races, cache_err = 0.0, [], True, 0, 0.0
     nan_arrays: list[str] = []                   # "kernel.cache.mla_k (step 3)", first sighting each
     cache_by_array: dict[str, float | None] = {}
+    cache_ulps: dict[str, float] = {}            # worst error in bf16 ulps of the reference value
     per_step, flips = [], []
     tokens = jnp.asarray(prompt[:, 0])
 
@@ -152,7 +170,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         k_logits, k_cache = step_fn(None, k_cache, tokens)
         k_logits = np.asarray(k_logits)
         races += int(races_found())
-        r_logits, r_cache = reference.decode_step(params, r_cache, tokens, cfg=cfg)
+        r_logits, r_cache = ref_step(ref_params, r_cache, tokens)
         r_logits = np.asarray(r_logits)
         err, k_nan, r_nan = _max_abs_diff(k_logits, r_logits)
         saw_nan("kernel.logits", s, k_nan)
@@ -173,6 +191,8 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
             saw_nan(f"kernel.cache.{n}", s, k_nan)
             saw_nan(f"reference.cache.{n}", s, r_nan)
             cache_by_array[n] = _worst(cache_by_array.get(n, 0.0), e)
+            if not (k_nan or r_nan):
+                cache_ulps[n] = max(cache_ulps.get(n, 0.0), bf16_ulps(k_cache[n], r_cache[n]))
             c_err = _worst(c_err, e)
         cache_err = _worst(cache_err, c_err)
         per_step.append({"step": s, "max_abs_logit_err": err, "greedy_match": same, "cache_max_abs_err": c_err})
@@ -183,7 +203,9 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         "config": plan.config_name(), "batch": batch, "steps": steps, "prefetch_depth": plan.prefetch_depth,
         "num_slots": plan.num_slots, "max_abs_logit_err": worst, "logit_scale": float(np.mean(scale)),
         "greedy_match": greedy, "greedy_flips": flips, "cache_max_abs_err": cache_err,
-        "cache_max_abs_err_by_array": cache_by_array, "races": races, "nan": bool(nan_arrays),
+        "cache_max_abs_err_by_array": cache_by_array, "cache_max_bf16_ulps_by_array": cache_ulps,
+        "devices": plan.devices, "collectives_per_step": plan.collectives_per_step,
+        "remote_bytes_per_step": plan.remote_bytes_per_step, "races": races, "nan": bool(nan_arrays),
         "nan_arrays": nan_arrays, "pallas_calls_per_step": n_calls, "dma_execution_mode": dma_execution_mode,
         "detect_races": detect_races, "mode": "compiled (TPU)" if on_tpu() else "TPU interpret mode (CPU)",
         "wall_s": elapsed, "per_step": per_step,

@@ -105,6 +105,13 @@ def _logits(args) -> int:
     check_vocab(tokens, cfg.vocab, "--tokens" if args.text is None else "--text")
     from mk.distributed import is_main_process, mesh_from_args
     mesh = mesh_from_args(args, cfg, args.backend)
+    if mesh is not None and args.backend == "kernel":      # the sharded kernel on the mesh's devices
+        params = load(args.checkpoint, progress=on_terminal(not args.no_progress))
+        with _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
+            logits = np.asarray(fn(params, cfg, tokens, mesh=mesh.size), np.float32)
+        np.save(args.out, logits)
+        print(f"wrote {args.out}: float32 logits {list(logits.shape)} (kernel on {mesh.size} devices)")
+        return 0
     if mesh is not None:                                   # the sharded reference over the mesh
         from mk import reference_sharded
         from mk.checkpoint import load_sharded
@@ -290,7 +297,7 @@ def add_parser(subparsers):
     p.add_argument("--no-progress", action="store_true")
     add_step_options(p)
     from mk.distributed import add_distributed_args
-    add_distributed_args(p)
+    add_distributed_args(p, mesh=False)
     p.set_defaults(func=_logits)
 
     p = subparsers.add_parser("load", help="load a checkpoint (optionally benchmark the load)")

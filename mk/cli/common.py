@@ -89,8 +89,25 @@ def check_vocab(tokens, vocab: int, option: str) -> None:
 
 
 def add_step_options(p) -> None:
-    """Options every decode-step command (check, logits, generate, aot) takes. None yet; the place
-    for e.g. a device-mesh option."""
+    """Options every decode-step command (check, logits, generate, aot) takes."""
+    p.add_argument("--mesh", type=positive_int, default=None, metavar="N",
+                   help="split the step over N devices (mk.sharding's rule). On a TPU: the first N "
+                        "devices, compiled; on CPU: N virtual devices in TPU interpret mode (set up "
+                        "automatically); for aot: the first N cores of --topology. Default: one device "
+                        "(all devices of a multi-process job)")
+
+
+def use_virtual_devices(n: int | None) -> None:
+    """On a CPU-only run, ask XLA for at least n virtual CPU devices (before JAX starts)."""
+    import os
+    if not n or n <= 1 or os.environ.get("JAX_PLATFORMS", "cpu") not in ("cpu", ""):
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    if m and int(m.group(1)) >= n:
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def on_terminal(wanted: bool = True) -> bool:

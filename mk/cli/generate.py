@@ -99,14 +99,14 @@ def _prompt(args, cfg, tokenizer) -> list[int]:
     return tokens
 
 
-def _step_fn(args, params, cfg, ctx):
+def _step_fn(args, params, cfg, ctx, mesh=None):
     if args.backend == "reference":
         return None
     kernel = _optional_module("mk.kernel", "--backend kernel")
     make = getattr(kernel, "make_step_fn", None)
     if make is None:
         raise BackendError("--backend kernel needs mk.kernel.make_step_fn, which this build does not have yet")
-    return make(params, cfg, args.batch, ctx=ctx)
+    return make(params, cfg, args.batch, ctx=ctx, mesh=mesh)
 
 
 def run(args) -> int:
@@ -137,8 +137,8 @@ def run(args) -> int:
         if mesh is not None:
             from mk.reference_sharded import shard_params
             params = shard_params(params, mesh)
-    if mesh is None:
-        step_fn = _step_fn(args, params, cfg, ctx)
+    if mesh is None or args.backend == "kernel":
+        step_fn = _step_fn(args, params, cfg, ctx, None if mesh is None else mesh.size)
     else:                                                   # the sharded reference over the mesh
         from mk.reference_sharded import step_fn_for
         step_fn = step_fn_for(cfg, mesh)
@@ -198,6 +198,6 @@ def add_parser(subparsers):
     p.add_argument("--json", action="store_true", help="print tokens and timings as one JSON object")
     add_step_options(p)
     from mk.distributed import add_distributed_args
-    add_distributed_args(p)
+    add_distributed_args(p, mesh=False)
     p.set_defaults(func=run)
     return p

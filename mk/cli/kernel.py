@@ -99,10 +99,12 @@ def run_check(args) -> int:
     if args.steps > args.ctx:
         raise UserError(f"--steps ({args.steps}) exceed --ctx {args.ctx}")
     kw = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
-    make_plan(cfg, args.batch, ctx=args.ctx, check=False, **kw)     # bad batch / depth: before any work
+    layout = _layout(cfg, args.mesh)
+    make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=layout, **kw)   # bad input: before any work
+    _enough_devices(args.mesh)
     res = check(cfg, args.batch, args.steps, args.prefetch_depth, seed=args.seed,
                 ctx=args.ctx, detect_races=not args.no_races, dma_execution_mode=args.dma_mode,
-                progress=not args.json)
+                progress=not args.json, mesh=args.mesh or 1)
     if args.json:
         print(json.dumps(_finite(res), indent=1, allow_nan=False))
     else:
@@ -111,6 +113,21 @@ def run_check(args) -> int:
                 print(f"{k:>26}: {v}")
         print(f"{'verdict':>26}: {res['verdict']}" + "".join(f"\n{'':>28}{r}" for r in res["reasons"]))
     return 0 if res["verdict"] == "pass" else 1
+
+
+def _layout(cfg, mesh):
+    """The plan layout of `--mesh N` (one device without it); a mesh that does not divide the
+    config is a PlanError naming the width at fault."""
+    from mk.plan import Layout
+    from mk.sharding import default_layout
+    return default_layout(cfg, mesh) if mesh and mesh > 1 else Layout()
+
+
+def _enough_devices(mesh):
+    if mesh and mesh > 1:
+        import jax
+        if jax.device_count() < mesh:
+            raise UserError(f"--mesh {mesh}: only {jax.device_count()} devices available")
 
 
 def _finite(x):
@@ -129,7 +146,8 @@ def run_aot(args) -> int:
     from mk.plan import PlanError, make_plan
     cfg = _config(args.config, args.layers)
     chip = _chip(args.topology)
-    out = {"config": args.config, "layers": cfg.layers, "topology": args.topology, "batch": args.batch}
+    out = {"config": args.config, "layers": cfg.layers, "topology": args.topology, "batch": args.batch,
+           "devices": args.mesh or 1}
     if args.reference:
         r = compile_reference(cfg, args.batch, args.topology, args.ctx)
         out.update(program="xla_reference")
@@ -141,8 +159,10 @@ def run_aot(args) -> int:
             kw["num_slots"] = args.num_slots
         if args.tile:
             kw["tile"] = _tile(args.tile)
-        plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, **kw)
-        out.update(program="megakernel", vmem_planned_bytes=plan.vmem_planned_bytes,
+        plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh), **kw)
+        out.update(program="megakernel", collectives_per_step=plan.collectives_per_step,
+                   remote_bytes_per_step=plan.remote_bytes_per_step,
+                   pallas_calls_per_step=1, vmem_planned_bytes=plan.vmem_planned_bytes,
                    vmem_limit_bytes=plan.vmem_limit, prefetch_depth=plan.prefetch_depth,
                    num_slots=plan.num_slots, tile=[plan.tile_k, plan.tile_n])
         try:
