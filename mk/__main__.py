@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     except SystemExit as e:                       # --help (0) or a usage error (2, already printed)
         return int(e.code or 0)
     from mk.cli.common import use_virtual_devices
-    use_virtual_devices(getattr(args, "mesh", None))    # --mesh N on CPU: N virtual devices
+    if getattr(args, "coordinator", None) is None:       # one process: --mesh N on CPU = N virtual devices
+        use_virtual_devices(getattr(args, "mesh", None))
     try:
         return int(args.func(args) or 0)
     except UserError as e:

@@ -1,0 +1,112 @@
+"""The sharded megakernel (one pallas_call per device, collectives inside) against the sharded
+reference, in TPU interpret mode on virtual CPU devices (conftest: 8), race detector on.
+
+Tolerances, and why. Kernel and sharded reference make the same bf16 roundings (the wire of every
+reduction is bf16, summed in fp32 in rank order on both sides), so step 0 is bit-exact. What is
+left is fp32 association inside a rank (the KDA delta rule's reductions, the latent norm's sum
+over the padded gathered width, MXU-tile K blocking): one fp32 ulp that, once it crosses a bf16
+rounding point, moves one value by one bf16 ulp and then propagates through the recurrent state.
+So: step 0 logits and caches bit-exact; over all steps logits within 0.06 x the logit std (a bf16
+ulp at |x| ~ 4 is 0.016: a few ulps), bf16 caches within 4 bf16 ulps of their own scale (the
+array's max |value|), greedy tokens equal except at reference near-ties (mk.check.NEAR_TIE).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mk import params as params_mod
+from mk import reference
+from mk.check import MAX_FLIPS, NEAR_TIE, check, races_found
+from mk.config import get_config
+
+LOGIT_REL_TOL = 0.06      # x the reference logits' std
+CACHE_ULPS = 4            # bf16 caches: |kernel - reference| <= this many ulps of the array's scale
+
+
+@pytest.fixture(scope="module")
+def tp8():
+    cfg = get_config("mini-tp8")
+    return cfg, params_mod.init(cfg, 0)
+
+
+def _assert_close(res):
+    assert res["verdict"] == "pass", res["reasons"]
+    assert res["races"] == 0 and not res["nan"], res
+    assert res["per_step"][0]["max_abs_logit_err"] == 0.0, res["per_step"][0]   # step 0: bit-exact
+    assert res["max_abs_logit_err"] <= LOGIT_REL_TOL * res["logit_scale"], res["per_step"]
+    assert all(f["ref_margin"] < NEAR_TIE for f in res["greedy_flips"]), res["greedy_flips"]
+    assert len(res["greedy_flips"]) <= MAX_FLIPS
+    for n in ("conv_state", "mla_k", "mla_v"):
+        assert res["cache_max_abs_err_by_array"][n] <= CACHE_ULPS * res["cache_scale_ulp"][n], (n, res)
+    assert res["pallas_calls_per_step"] == 1
+
+
+# (devices, batch, steps, DMA mode): every batch size on 8 devices, both DMA modes, 2 and 4 devices.
+CASES = [(8, 1, 8, "on_wait"), (8, 8, 4, "on_wait"), (8, 2, 3, "eager"), (8, 4, 3, "on_wait"),
+         (4, 4, 3, "on_wait"), (2, 2, 3, "eager")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices,batch,steps,mode", CASES)
+def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mode):
+    cfg, params = tp8
+    res = check(cfg, batch, steps, params=params, mesh=devices, detect_races=True,
+                dma_execution_mode=mode, ctx=128)
+    assert res["devices"] == devices and res["collectives_per_step"] == 15
+    _assert_close(res)
+
+
+@pytest.mark.slow
+def test_replicated_state_is_bit_identical_on_every_device(tp8):
+    """The residual stream p (and everything computed from it: routing, norms) is replicated:
+    every device must hold the same bits after every step."""
+    from mk.kernel import interpret_params, kernel_weights, make_decode_step, place_cache
+    from mk.plan import make_plan
+    from mk.sharding import default_layout, make_mesh
+
+    cfg, params = tp8
+    plan = make_plan(cfg, 2, ctx=128, layout=default_layout(cfg, 8))
+    mesh = make_mesh(plan.layout)
+    step = make_decode_step(plan, interpret_params(detect_races=True), mesh, return_prefix=True)
+    weights = kernel_weights(plan, params, mesh)
+    cache = place_cache(reference.init_cache(cfg, 2, 128), mesh)
+    tokens = jnp.asarray([3, 1500], jnp.int32)       # owned by different devices' vocabulary blocks
+    for _ in range(2):
+        logits, cache, prefix = step(weights, cache, tokens)
+        prefix = np.asarray(prefix.astype(jnp.float32))          # [devices, B, d]
+        assert races_found() is False
+        assert prefix.shape == (8, 2, cfg.dim)
+        assert np.all(np.isfinite(prefix)) and np.abs(prefix).max() > 0
+        for dev in range(1, 8):
+            np.testing.assert_array_equal(prefix[dev], prefix[0], err_msg=f"device {dev} differs from 0")
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def test_plan_collectives_are_the_kernels():
+    """The collectives the kernel executes are the plan's entries: per layer and per step."""
+    from mk.plan import make_plan
+    from mk.sharding import default_layout
+
+    cfg = get_config("mini-tp8")
+    plan = make_plan(cfg, 1, layout=default_layout(cfg, 8))
+    assert plan.layer_collectives(0) == ("attn_out", "dense_out")
+    assert plan.layer_collectives(1) == ("attn_out", "moe_latent", "moe_routed", "moe_out")
+    assert plan.collectives_per_step == 1 + 2 + 4 * (cfg.layers - 1)
+    phases = [p.name for p in plan.phases if p.kind == "collective"]
+    assert phases == plan.collective_sequence()
+    assert plan.remote_bytes_per_step == sum(p.collective_bytes for p in plan.phases if p.kind == "collective")
+    one = make_plan(cfg, 1)
+    assert one.collectives_per_step == 0 and not any(p.kind == "collective" for p in one.phases)
+
+
+def test_layout_rule_and_bad_meshes():
+    from mk.plan import PlanError
+    from mk.sharding import default_layout
+
+    k3 = default_layout(get_config("k3"), 32)
+    assert (k3.tp_attn, k3.ep, k3.tp_expert) == (32, 8, 4)          # the seed's split (spec 3.2)
+    with pytest.raises(PlanError, match="heads = 2 is not a multiple of 3"):
+        default_layout(get_config("mini"), 3)
+    with pytest.raises(PlanError, match="must be a multiple of 16"):
+        default_layout(get_config("mini-tp8").replace(vocab=2048 + 64), 8)
