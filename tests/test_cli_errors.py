@@ -81,6 +81,8 @@ CASES = [
     (["check", "--steps", "300", "--ctx", "256"], "--steps (300) exceed --ctx 256"),
     (["check", "--prefetch-depth", "-1"], "argument --prefetch-depth: must be at least 0"),
     (["check", "--dma-mode", "lazy"], "argument --dma-mode: invalid choice"),
+    (["check", "--mesh", "3"], "mesh of 3 devices (ep=1 x tp_expert=3) does not divide the config: heads = 2"),
+    (["check", "--config", "mini-tp8", "--mesh", "0"], "argument --mesh: must be at least 1"),
     # logits: every id / path problem is reported before the weights are read
     (["logits", "--checkpoint", "MISSING", "--tokens", "1", "--out", "OUT.npy"], "MISSING"),
     (["logits", "--checkpoint", "CKPT", "--tokens", "-1,5", "--out", "OUT.npy"],
@@ -107,6 +109,10 @@ CASES = [
     (["synth"], "required: --out"),
     # aot
     (["aot", "--config", "nope"], "unknown config 'nope'"),
+    (["aot", "--config", "mini-tp8", "--mesh", "16"], "mesh of 16 devices"),
+    (["aot", "--config", "mini-tp8", "--mesh", "64", "--topology", "tpu7x:2x2x1"], "mesh of 64 devices"),
+    (["aot", "--config", "k3-slice", "--mesh", "16", "--topology", "tpu7x:2x2x1"],
+     "topology tpu7x:2x2x1 has 8 devices, the plan needs 16"),
     (["aot", "--topology", "tpu9:2x2"], "--topology: unknown topology 'tpu9:2x2'"),
     (["aot", "--tile", "512"], "--tile: expected TKxTN"),
     (["aot", "--tile", "axb"], "--tile: expected TKxTN"),
