@@ -106,7 +106,7 @@ def _step_fn(args, params, cfg, ctx, mesh=None):
     make = getattr(kernel, "make_step_fn", None)
     if make is None:
         raise BackendError("--backend kernel needs mk.kernel.make_step_fn, which this build does not have yet")
-    return make(params, cfg, args.batch, ctx=ctx, mesh=mesh)
+    return make(params, cfg, args.batch, ctx=ctx, **({} if mesh is None else {"mesh": mesh}))
 
 
 def run(args) -> int:
