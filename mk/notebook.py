@@ -86,3 +86,15 @@ def load_model(config: "str | K3Config | None" = None, checkpoint: "str | os.Pat
         params = ckpt.load(tmp, progress=False)
     return Model(model_name(config), cfg, params, f"synthetic checkpoint (mk.synth, seed {seed}, MXFP4 experts), "
                               f"written and loaded back through mk.checkpoint")
+
+
+def default_mesh(cfg: K3Config, mesh: "int | None" = None) -> int:
+    """Devices the kernel runs on in a notebook: `mesh` if given, else every local device on a TPU
+    backend (the largest count that divides the model: mk.sharding), else 1."""
+    if mesh is not None:
+        return int(mesh)
+    if _backend() != "tpu":
+        return 1
+    import jax
+    from mk.sharding import gcd_devices
+    return gcd_devices(cfg, jax.local_device_count())
