@@ -115,21 +115,21 @@ def mini_b1(mini):
 # ---- 1. MLA past the first cache block -----------------------------------------------------------
 @pytest.mark.slow
 def test_mla_crosses_cache_block(mini, mini_b1):
-    """Prefill 126 positions with the reference, then kernel and reference side by side at
-    positions 126..130: the last slots of block 0, then block 1 (two-block online softmax, the
+    """Prefill 127 positions with the reference, then kernel and reference side by side at
+    positions 127..129: the last slot of block 0, then block 1 (two-block online softmax, the
     new key/value merged into and written back to the second block)."""
     cfg, params = mini
     rng = np.random.default_rng(1)
-    cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, 126)])
-    assert int(cache["pos"][0]) == 126
-    tokens = rng.integers(0, cfg.vocab, (5, 1), dtype=np.int32)
-    k_cache, r_cache = side_by_side(mini_b1, params, cfg, cache, tokens, "positions 126..130")
-    assert int(k_cache["pos"][0]) == 131
+    cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, 127)])
+    assert int(cache["pos"][0]) == 127
+    tokens = rng.integers(0, cfg.vocab, (3, 1), dtype=np.int32)
+    k_cache, r_cache = side_by_side(mini_b1, params, cfg, cache, tokens, "positions 127..129")
+    assert int(k_cache["pos"][0]) == 130
     # the second block really holds the new keys/values (nonzero, as the reference wrote them)
-    k_blk = np.asarray(k_cache["mla_k"][0, :, :, 128:131], np.float32)
+    k_blk = np.asarray(k_cache["mla_k"][0, :, :, 128:130], np.float32)
     assert np.abs(k_blk).max() > 0
-    np.testing.assert_allclose(k_blk, np.asarray(r_cache["mla_k"][0, :, :, 128:131], np.float32), atol=CACHE_TOL)
-    assert not np.asarray(k_cache["mla_k"][0, :, :, 131:], np.float32).any()   # nothing past pos
+    np.testing.assert_allclose(k_blk, np.asarray(r_cache["mla_k"][0, :, :, 128:130], np.float32), atol=CACHE_TOL)
+    assert not np.asarray(k_cache["mla_k"][0, :, :, 130:], np.float32).any()   # nothing past pos
 
 
 # ---- 2 + 5. rows at different positions; DMA order observed at runtime ---------------------------

@@ -42,9 +42,10 @@ def _assert_close(res):
     assert res["pallas_calls_per_step"] == 1
 
 
-# (devices, batch, steps, DMA mode): every batch size on 8 devices, both DMA modes, 2 and 4 devices.
-CASES = [(8, 1, 8, "on_wait"), (8, 8, 4, "on_wait"), (8, 2, 3, "eager"), (8, 4, 3, "on_wait"),
-         (4, 4, 3, "on_wait"), (2, 2, 3, "eager")]
+# (devices, batch, steps, DMA mode): batch 1, 2, 4 and 8, both DMA modes, 8, 4 and 2 devices
+# (batch 2 on 8 devices runs in the bit-identity test below). Sized for interpret mode: every
+# collective is 7 remote DMAs per device on 8 devices, ~4 ms each.
+CASES = [(8, 1, 4, "on_wait"), (8, 8, 2, "on_wait"), (4, 4, 2, "eager"), (2, 2, 3, "on_wait")]
 
 
 @pytest.mark.slow
