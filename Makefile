@@ -40,7 +40,7 @@ lab: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q tests
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \

@@ -15,7 +15,7 @@ import pytest
 from mk import notebook_runner
 from mk.notebook_runner import run_all
 
-pytest.importorskip("plotly")
+import plotly  # noqa: E402,F401  (a declared dependency: a missing one fails)
 
 FIGURE = """import plotly.graph_objects as go
 fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[3, 1, 2], name="offline-trace"))
@@ -56,7 +56,7 @@ def test_export_embeds_plotlyjs_once(export):
 
 
 def test_save_figure_html_fallback_is_offline(tmp_path, monkeypatch):
-    go = pytest.importorskip("plotly.graph_objects")
+    import plotly.graph_objects as go
     monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-browser"))
     monkeypatch.setattr(notebook_runner, "BROWSER_CANDIDATES", ())
     path = notebook_runner.save_figure(go.Figure(go.Bar(x=[1], y=[2])), "f", tmp_path)

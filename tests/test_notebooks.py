@@ -52,7 +52,7 @@ def test_runner_names_failing_notebook_and_cell(tmp_path):
 
 
 def test_save_figure_falls_back_to_html_without_browser(tmp_path, monkeypatch):
-    go = pytest.importorskip("plotly.graph_objects")
+    import plotly.graph_objects as go
     monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-browser"))
     monkeypatch.setattr(notebook_runner, "BROWSER_CANDIDATES", ())
     fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
