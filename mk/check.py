@@ -31,7 +31,7 @@ PALLAS_CALLS_PER_STEP = 1       # the megakernel: one pallas_call per decode ste
 TOLERANCES = {"logit_max_abs_err": LOGIT_TOL, "cache_max_abs_err": CACHE_TOL,
               "greedy_flip_ref_margin_below": NEAR_TIE, "greedy_flips_max": MAX_FLIPS,
               "logit_scale_range": list(LOGIT_SCALE), "nan": False, "races": 0,
-              "pallas_calls_per_step": PALLAS_CALLS_PER_STEP}
+              "pallas_calls_per_step": PALLAS_CALLS_PER_STEP, "replicated_bit_identical": True}
 
 
 def verdict(res: dict) -> list[str]:
@@ -39,6 +39,8 @@ def verdict(res: dict) -> list[str]:
     reasons = []
     if res["nan"]:
         reasons.append(f"NaN in {', '.join(res['nan_arrays'])}")
+    if res.get("replicated_diff"):
+        reasons.append(f"replicated state differs across devices: {', '.join(res['replicated_diff'][:3])}")
     if res["races"]:
         reasons.append(f"race detector fired in {res['races']} step(s)")
     err = res["max_abs_logit_err"]
@@ -149,6 +151,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     worst, scale, greedy, races, cache_err = 0.0, [], True, 0, 0.0
     nan_arrays: list[str] = []                   # "kernel.cache.mla_k (step 3)", first sighting each
     cache_by_array: dict[str, float | None] = {}
+    replicated_diff: list[str] = []               # devices whose replicated p differs from device 0's
     cache_ulp: dict[str, float] = {}             # one bf16 ulp at each array's scale (max |value|)
     cache_ulps: dict[str, float] = {}            # worst error in those ulps
     per_step, flips = [], []
@@ -168,6 +171,11 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
             pltpu.reset_tpu_interpret_mode_state()
         k_logits, k_cache = step_fn(None, k_cache, tokens)
         k_logits = np.asarray(k_logits)
+        prefix = getattr(step_fn, "last_prefix", None)
+        if prefix is not None and prefix.shape[0] > 1:          # replicated state: same bits everywhere
+            bits = np.asarray(prefix).view(np.uint16)
+            replicated_diff += [f"step {s}: device {d}" for d in range(1, bits.shape[0])
+                                if not np.array_equal(bits[d], bits[0])]
         races += int(races_found())
         r_logits, r_cache = ref_step(ref_params, r_cache, tokens)
         r_logits = np.asarray(r_logits)
@@ -205,6 +213,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         "greedy_match": greedy, "greedy_flips": flips, "cache_max_abs_err": cache_err,
         "cache_max_abs_err_by_array": cache_by_array, "cache_max_bf16_ulps_by_array": cache_ulps,
         "cache_scale_ulp": cache_ulp,
+        "replicated_bit_identical": not replicated_diff, "replicated_diff": replicated_diff,
         "devices": plan.devices, "collectives_per_step": plan.collectives_per_step,
         "remote_bytes_per_step": plan.remote_bytes_per_step, "races": races, "nan": bool(nan_arrays),
         "nan_arrays": nan_arrays, "pallas_calls_per_step": n_calls, "dma_execution_mode": dma_execution_mode,

@@ -51,7 +51,8 @@ def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int
     argument is ignored: weights are packed once here), for `mk.reference.generate`.
 
     mesh: number of devices (default 1); the layout is `mk.sharding.default_layout`. Caches
-    passed in are placed on the mesh on first use."""
+    passed in are placed on the mesh on first use. After each call `step_fn.last_prefix` holds
+    every device's final residual prefix p, [devices, B, d] bf16 (replicated: equal bits)."""
     from mk.sharding import default_layout
 
     kw = dict(plan_kw)
@@ -62,10 +63,12 @@ def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int
     plan = make_plan(cfg, batch, ctx=ctx, **kw)
     device_mesh = default_mesh(plan)
     weights = kernel_weights(plan, params, device_mesh)
-    step = make_decode_step(plan, interpret, device_mesh)
+    step = make_decode_step(plan, interpret, device_mesh, return_prefix=True)
 
     def step_fn(_params, cache, tokens):
-        return step(weights, place_cache(cache, device_mesh), jnp.asarray(tokens, jnp.int32))
+        logits, cache, step_fn.last_prefix = step(weights, place_cache(cache, device_mesh),
+                                                  jnp.asarray(tokens, jnp.int32))
+        return logits, cache
 
     step_fn.plan = plan
     step_fn.mesh = device_mesh
