@@ -41,9 +41,9 @@ demo: $(STAMP)
 	$(PY) -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
-	  $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
+	  $(PY) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
 	fi
 
 clean:
