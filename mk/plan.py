@@ -31,7 +31,6 @@ norm) travel as one `[rows, width]` f32 table per layer, double-buffered one lay
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import cached_property
 from typing import Sequence
 

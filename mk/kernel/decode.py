@@ -26,7 +26,6 @@ The whole step, in one screen:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -220,7 +219,7 @@ def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
     from jax.sharding import PartitionSpec as P
     from mk.sharding import ALL, CACHE_SPECS
 
-    cfg, N, B, V = plan.config, plan.devices, plan.batch, plan.vocab_local
+    N, B, V = plan.devices, plan.batch, plan.vocab_local
     if interpret is None:
         interpret = False if on_tpu() else interpret_params()
     if interpret is not False and N > 1:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mk.kernel.collectives import all_gather, all_reduce
-from mk.layers.common import bf, f32, rms, sigmoid, situ
+from mk.layers.common import bf, f32, sigmoid, situ
 
 
 def route(k, scores_raw, bias):

@@ -5,8 +5,6 @@ sublayer code says `r.kda_state` instead of counting positional arguments.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
