@@ -129,7 +129,6 @@ def test_unreachable_coordinator(ckpt, tmp_path):
     (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
     (["--mesh", "16"], "only 8 devices"),
     (["--mesh", "3"], "does not divide"),
-    (["--mesh", "2", "--backend", "kernel"], "--backend kernel"),
 ])
 def test_bad_launch_options(ckpt, tmp_path, capsys, extra, words):
     assert main(logits_argv(ckpt, tmp_path / "x.npy", *extra)) == 2
