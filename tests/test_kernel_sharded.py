@@ -2,7 +2,7 @@
 reference, in TPU interpret mode on virtual CPU devices (conftest: 8), race detector on.
 
 Tolerances, and why. Kernel and sharded reference make the same bf16 roundings (the wire of every
-reduction is bf16, summed in fp32 in rank order on both sides), so step 0 is bit-exact. What is
+reduction is bf16, summed in fp32 in rank order on both sides), so the first step is bit-exact. What is
 left is fp32 association inside a rank (the KDA delta rule's reductions, the latent norm's sum
 over the padded gathered width, MXU-tile K blocking): one fp32 ulp that, once it crosses a bf16
 rounding point, moves one value by one bf16 ulp and then propagates through the recurrent state.
