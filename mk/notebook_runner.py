@@ -167,7 +167,11 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
             try:
                 pm.execute_notebook(str(nb), str(target), parameters=parameters or {}, kernel_name=kernel,
                                     cwd=repo, progress_bar=False, execution_timeout=timeout,
-                                    kernel_manager_class=manager)
+                                    kernel_manager_class=manager,
+                                    # the kernel is done when its last cell is: stop it at once (a
+                                    # graceful shutdown that times out ends in SIGTERM, which libtpu's
+                                    # failure-signal handler prints as a stack trace)
+                                    shutdown_kernel="immediate")
             except Exception as e:  # papermill raises PapermillExecutionError with the cell
                 err = f"{nb.name}: {_failing_cell(target) if target.exists() else e}"
             secs = time.perf_counter() - t0
