@@ -38,9 +38,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mk import sharding
 from mk.config import K3Config
 from mk.layers.attn_res import mix
-from mk.layers.common import F32, bf, f32, mm, pad_rows, rms, rows_padded, sigmoid, situ
-from mk.layers.kda import decay, delta_rule, l2_normalize, output_gate, short_conv
-from mk.layers.mla import attend, project_qkv, write_cache
+from mk.layers.common import F32, bf, f32, mm, rms, rows_padded, sigmoid, situ
+from mk.layers.kda import kda
+from mk.layers.mla import mla
 from mk.layers.moe import expert, route
 from mk.reference import init_cache, layer_slice
 from mk.sharding import ALL
@@ -71,35 +71,13 @@ def _rank():
 # Sublayers on one rank's share
 # --------------------------------------------------------------------------------------------
 def _kda_local(a, w: dict, state, conv_state, cfg: K3Config):
-    """`mk.layers.kda.kda` on this rank's heads; y reduced over ranks. cfg: heads = local heads."""
-    B = a.shape[0]
-    H, D = cfg.heads, cfg.head_dim
-    f = bf(mm(a, w["f_a"]))                                      # f_a replicated
-    g_raw = bf(mm(f, w["f_b"])).reshape(B, H, D)
-    qkv = jnp.stack([bf(mm(a, w[n])) for n in ("q", "k", "v")], axis=1)
-    g_o = bf(mm(a, w["g"])).reshape(B, H, D)
-    beta = sigmoid(bf(mm(a, w["b"])))
-    window = jnp.concatenate([conv_state, qkv[:, :, None]], axis=2)
-    conv = short_conv(window, w["conv"]).reshape(B, 3, H, D)
-    q = rows_padded(l2_normalize, conv[:, 0]) * (D ** -0.5)
-    k = rows_padded(l2_normalize, conv[:, 1])
-    v = f32(conv[:, 2])
-    g = decay(g_raw, w["a_log"], w["dt_bias"].reshape(H, D), cfg.gate_lower_bound)
-    o, state = delta_rule(*(pad_rows(x) for x in (state, q, k, v, g, beta)))
-    o, state = o[:B], state[:B]
-    out = output_gate(o, g_o, w["o_norm"], cfg.eps).reshape(B, H * D)
-    return bf(reduce_bf16(mm(out, w["o"]))), state, window[:, :, 1:]
+    """`mk.layers.kda.kda` on this rank's heads (cfg.heads = local heads); y reduced over ranks."""
+    return kda(a, w, state, conv_state, cfg, reduce=reduce_bf16)
 
 
 def _mla_local(a, w: dict, k_cache, v_cache, pos, cfg: K3Config):
     """`mk.layers.mla.mla` on this rank's heads (q_a / kv_a replicated); y reduced over ranks."""
-    B = a.shape[0]
-    q, k, v = project_qkv(a, w, cfg)
-    k_cache, v_cache = write_cache(k_cache, k, pos), write_cache(v_cache, v, pos)
-    o = attend(q, k_cache, v_cache, pos, cfg.mla_scale)
-    gate = bf(sigmoid(bf(mm(a, w["g"])))).reshape(o.shape)
-    out = bf(f32(bf(o)) * f32(gate)).reshape(B, -1)
-    return bf(reduce_bf16(mm(out, w["o"]))), k_cache, v_cache
+    return mla(a, w, k_cache, v_cache, pos, cfg, reduce=reduce_bf16)
 
 
 def _dense_local(m, w: dict, cfg: K3Config):

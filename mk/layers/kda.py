@@ -60,8 +60,11 @@ def output_gate(o: jax.Array, g_o: jax.Array, o_norm: jax.Array, eps: float) -> 
     return bf(f32(normed) * f32(bf(sigmoid(g_o))))
 
 
-def kda(a, w: dict, state, conv_state, cfg: K3Config):
+def kda(a, w: dict, state, conv_state, cfg: K3Config, reduce=lambda partial: partial):
     """One KDA layer. w holds this layer's slice of params['kda'] (see mk.params).
+
+    `reduce` sums the output projection's fp32 partials over devices on a mesh
+    (`mk.reference_sharded.reduce_bf16`, with cfg.heads = this device's heads); identity here.
 
     Returns (y [B, d] bf16, new state, new conv_state).
     """
@@ -82,4 +85,4 @@ def kda(a, w: dict, state, conv_state, cfg: K3Config):
     o, state = delta_rule(*(pad_rows(x) for x in (state, q, k, v, g, beta)))
     o, state = o[:B], state[:B]
     out = output_gate(o, g_o, w["o_norm"], cfg.eps).reshape(B, H * D)
-    return bf(mm(out, w["o"])), state, window[:, :, 1:]
+    return bf(reduce(mm(out, w["o"]))), state, window[:, :, 1:]

@@ -52,12 +52,13 @@ def write_cache(cache, new, pos):
         cache, new, pos)
 
 
-def mla(a, w: dict, k_cache, v_cache, pos, cfg: K3Config):
-    """One MLA layer. Returns (y [B, d] bf16, new k_cache, new v_cache)."""
+def mla(a, w: dict, k_cache, v_cache, pos, cfg: K3Config, reduce=lambda partial: partial):
+    """One MLA layer. Returns (y [B, d] bf16, new k_cache, new v_cache). `reduce`: as in
+    `mk.layers.kda.kda` (the output projection's partials over devices on a mesh)."""
     B = a.shape[0]
     q, k, v = project_qkv(a, w, cfg)
     k_cache, v_cache = write_cache(k_cache, k, pos), write_cache(v_cache, v, pos)
     o = attend(q, k_cache, v_cache, pos, cfg.mla_scale)
     gate = bf(sigmoid(bf(mm(a, w["g"])))).reshape(o.shape)
     out = bf(f32(bf(o)) * f32(gate)).reshape(B, -1)
-    return bf(mm(out, w["o"])), k_cache, v_cache
+    return bf(reduce(mm(out, w["o"]))), k_cache, v_cache
