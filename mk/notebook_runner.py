@@ -54,6 +54,9 @@ class _DropIgnoredJSONError:
 
 def _quiet_choreographer():
     import logging
+
+    import kaleido  # noqa: F401  (first: choreographer's logger class, with its extra levels, must exist
+    #                 before the logger below is made, or that logger lacks `debug2` and the export fails)
     log = logging.getLogger("choreographer.channels.pipe")
     if not any(isinstance(f, _DropIgnoredJSONError) for f in log.filters):
         log.addFilter(_DropIgnoredJSONError())

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -98,3 +99,19 @@ def test_kernel_talks_ipc_not_tcp(tmp_path, capfd):
     assert res[0]["ok"], res
     err = capfd.readouterr().err
     assert "TCP" not in err and "WARNING" not in err, err
+
+
+def test_save_figure_writes_png_in_a_fresh_process(tmp_path):
+    """With a browser, a figure is a PNG, in a process where nothing else has imported kaleido first
+    (as in a notebook's kernel: a fresh clone's `make run` once wrote HTML only, because the logger
+    filter was set up before choreographer's logger class existed)."""
+    if _headless_browser() is None:
+        pytest.skip("no headless browser binary (/usr/bin/chromium-headless-shell or chromium; `make browser` "
+                    "installs one): kaleido cannot write PNG")
+    code = ("import plotly.graph_objects as go; from mk.notebook_runner import save_figure; "
+            f"print(save_figure(go.Figure(go.Bar(x=[1], y=[2])), 'f', {str(tmp_path)!r}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("f.png"), run.stdout + run.stderr
+    assert "PNG export failed" not in run.stderr, run.stderr
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
