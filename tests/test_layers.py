@@ -347,7 +347,14 @@ def test_delta_rule():
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     g = -rng.uniform(0, 5, (B, H, D)).astype(np.float32)
     beta = rng.uniform(0, 1, (B, H)).astype(np.float32)
-    o, S_new = kda.delta_rule(*(jnp.asarray(x) for x in (S, q, k, v, g, beta)))
+
+    def delta_rule(S, q, k, v, g, beta):   # kda.delta_rule_head on every (row, head)
+        out = [[kda.delta_rule_head(*(jnp.asarray(x) for x in (
+            S[b, h], q[b, h][None], k[b, h][None], v[b, h][None], np.exp(g[b, h])[None],
+            np.full((1, D), beta[b, h], np.float32)))) for h in range(H)] for b in range(B)]
+        return (np.array([[o[0] for o, _ in r] for r in out]), np.array([[s for _, s in r] for r in out]))
+
+    o, S_new = delta_rule(S, q, k, v, g, beta)
     for b in range(B):
         for h in range(H):
             s = np.exp(g[b, h].astype(F64))[:, None] * S[b, h]
@@ -355,10 +362,10 @@ def test_delta_rule():
             np.testing.assert_allclose(np.asarray(S_new[b, h], F64), s, rtol=2e-5, atol=2e-6)
             np.testing.assert_allclose(np.asarray(o[b, h], F64), s.T @ q[b, h], rtol=2e-5, atol=2e-5)
     # with beta = 1 and no decay the delta rule stores v at unit key k: S_new^T k == v
-    _, S1 = kda.delta_rule(*(jnp.asarray(x) for x in (S, q, k, v, 0 * g, np.ones_like(beta))))
+    _, S1 = delta_rule(S, q, k, v, 0 * g, np.ones_like(beta))
     np.testing.assert_allclose(np.einsum("bhkv,bhk->bhv", np.asarray(S1, F64), k), v, rtol=1e-4, atol=1e-5)
     # beta = 0: state only decays
-    _, S0 = kda.delta_rule(*(jnp.asarray(x) for x in (S, q, k, v, g, 0 * beta)))
+    _, S0 = delta_rule(S, q, k, v, g, 0 * beta)
     np.testing.assert_allclose(np.asarray(S0), np.exp(g)[..., None] * S, rtol=1e-6)
 
 

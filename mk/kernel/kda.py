@@ -3,8 +3,8 @@
 Gate-first order: the small gate path (f_a, f_b) streams in before the fused q|k|v|g|b
 projection. The layer's recurrent and conv states are DMA'd HBM -> VMEM at entry (overlapping
 the projections) and written back in place (the HBM arrays are aliased to the outputs).
-The delta rule runs per (row, head) on a [D, D] fp32 state with elementwise ops, as the
-reference does; column vectors come from `to_column` (an exact identity-mask reduction).
+The delta rule runs per (row, head) on a [D, D] fp32 state with elementwise ops: the function
+is `mk.layers.kda.kda_head`, the very one the reference maps over rows and heads.
 """
 from __future__ import annotations
 
@@ -14,19 +14,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.kernel.collectives import all_reduce
-from mk.layers.common import bf, f32, rms, sigmoid
-from mk.layers.kda import QK_NORM_EPS
-
-
-def to_column(row: jax.Array) -> jax.Array:
-    """[1, D] -> [D, 1] exactly: sum over lanes of an identity-masked broadcast."""
-    D = row.shape[-1]
-    eye = jax.lax.broadcasted_iota(jnp.int32, (D, D), 0) == jax.lax.broadcasted_iota(jnp.int32, (D, D), 1)
-    return jnp.sum(jnp.where(eye, jnp.broadcast_to(row, (D, D)), 0.0), axis=1, keepdims=True)
-
-
-def _l2_normalize(x):
-    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + QK_NORM_EPS)
+from mk.layers.common import bf, f32, sigmoid
+from mk.layers.kda import kda_head
 
 
 class StateCopies:
@@ -94,20 +83,10 @@ def kda(k, a, i):
             def head(h, carry, b=b):
                 off = pl.multiple_of(h * D, D)
                 feat = lambda n: r.kda_feat[n, pl.ds(b, 1), pl.ds(off, D)]             # [1, D]
-                q = _l2_normalize(feat(0)) * (D ** -0.5)
-                kk = _l2_normalize(feat(1))
-                v = feat(2)
                 beta = sigmoid(jnp.dot(r.beta_raw[pl.ds(b, 1), :], (lanes == h).astype(jnp.bfloat16),
                                        preferred_element_type=jnp.float32))              # [1, D]
-                s = to_column(jnp.exp(feat(3))) * r.kda_state[b, h]
-                k_col = to_column(kk)
-                u = beta * (v - jnp.sum(s * k_col, axis=0, keepdims=True))
-                s = s + k_col * u
-                r.kda_state[b, h] = s
-                o = jnp.sum(s * to_column(q), axis=0, keepdims=True)
-                normed = rms(bf(o), o_norm, cfg.eps)
-                gate = bf(sigmoid(bf(feat(4))))
-                r.attn_out[pl.ds(b, 1), pl.ds(off, D)] = bf(f32(normed) * f32(gate))
+                r.attn_out[pl.ds(b, 1), pl.ds(off, D)], r.kda_state[b, h] = kda_head(
+                    r.kda_state[b, h], *(feat(n) for n in range(4)), beta, feat(4), o_norm, cfg.eps)
                 return carry
             jax.lax.fori_loop(0, H, head, 0)
 

@@ -14,8 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.kernel.collectives import all_reduce
 from mk.layers.common import bf, f32, rms, sigmoid
-
-BLOCK = 128  # cache positions per DMA block
+from mk.layers.mla import BLOCK, attend_block, softmax_start
 
 
 def _block_copies(r, b, i, j):
@@ -31,9 +30,10 @@ def _attend_row(k, b, i):
     H, D, Kc = k.plan.heads, cfg.head_dim, cfg.k_cache_dim
     pos = r.positions[b]
     n_blocks = pos // BLOCK + 1
-    r.softmax[0] = jnp.full((H, 1, 128), -jnp.inf, jnp.float32)
-    r.softmax[1] = jnp.zeros((H, 1, 128), jnp.float32)
-    r.softmax_acc[...] = jnp.zeros((H, 1, D), jnp.float32)
+    m, l, acc = softmax_start(D)
+    r.softmax[0] = jnp.broadcast_to(m, (H, 1, 128))
+    r.softmax[1] = jnp.broadcast_to(l, (H, 1, 128))
+    r.softmax_acc[...] = jnp.broadcast_to(acc, (H, 1, D))
     slot_iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
 
     def block(j, carry):
@@ -60,16 +60,9 @@ def _attend_row(k, b, i):
 
         def head(h, c):
             q = f32(r.mla_q[pl.ds(b, 1), pl.ds(pl.multiple_of(h * Kc, Kc), Kc)])      # [1, Kc]
-            s = jnp.sum(f32(r.k_block[h]) * q, axis=-1, keepdims=True) * cfg.mla_scale
-            s = jnp.where(valid, s, -jnp.inf)                                 # [128, 1]
-            m_old, l_old = r.softmax[0, h], r.softmax[1, h]                   # [1, 128] lane-bcast
-            m_new = jnp.maximum(m_old, jnp.max(s, axis=0, keepdims=True))
-            p = jnp.exp(s - m_new[:, :1])
-            corr = jnp.exp(m_old - m_new)
-            r.softmax[0, h] = m_new
-            r.softmax[1, h] = l_old * corr + jnp.sum(p, axis=0, keepdims=True)
-            v = jnp.where(valid, f32(r.v_block[h]), 0.0)
-            r.softmax_acc[h] = r.softmax_acc[h] * corr[:, :1] + jnp.sum(p * v, axis=0, keepdims=True)
+            r.softmax[0, h], r.softmax[1, h], r.softmax_acc[h] = attend_block(
+                q, r.k_block[h], r.v_block[h], valid, r.softmax[0, h], r.softmax[1, h], r.softmax_acc[h],
+                cfg.mla_scale)
             return c
         jax.lax.fori_loop(0, H, head, 0)
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk.layers.common import K_CHUNK
 from mk.plan import Matrix, Plan
 
 
@@ -130,6 +131,7 @@ class WeightRing:
         Consumes m.tiles tiles: column block by column block, row blocks inside.
         """
         tk, tn = m.tile_k, m.tile_n
+        chunk = K_CHUNK if tk % K_CHUNK == 0 else tk
         rows = x.shape[0]
         self.xbuf[:, :x.shape[1]] = x
         if m.k_pad > x.shape[1]:
@@ -139,8 +141,9 @@ class WeightRing:
             def row_block(k, carry):
                 acc, self.c = carry
                 slot = self.take()
-                xk = self.xbuf[:, pl.ds(pl.multiple_of(k * tk, tk), tk)]
-                acc = acc + jnp.dot(xk, self.slots[slot], preferred_element_type=jnp.float32)
+                for c in range(0, tk, chunk):   # K_CHUNK-deep products, summed in order (as mk.layers.common.mm)
+                    xk = self.xbuf[:, pl.ds(pl.multiple_of(k * tk + c, chunk), chunk)]
+                    acc = acc + jnp.dot(xk, self.slots[slot, c:c + chunk], preferred_element_type=jnp.float32)
                 self.release()
                 return acc, self.c
             acc, self.c = jax.lax.fori_loop(0, m.k_tiles, row_block,

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 ROW_TILE = 8  # matmul LHS rows are padded to the 8-row sublane tile
+K_CHUNK = 512  # matmuls accumulate fp32 partial products over K in chunks of this depth, in order
 
 
 def bf(x: jax.Array) -> jax.Array:
@@ -67,6 +68,18 @@ def mm(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x @ w` for bf16 operands with fp32 accumulation; x [rows, K], w [K, N] -> [rows, N] f32.
 
     Rows are zero-padded to a multiple of ROW_TILE (as the kernel pads to the MXU tile), which also
-    makes every row's result independent of how many rows share the call.
+    makes every row's result independent of how many rows share the call. K is taken in K_CHUNK
+    slices, zero-padded, each slice's product added to the running fp32 sum in order: the kernel
+    accumulates its weight tiles the same way, and one dot over all of K sums in another order.
     """
-    return jnp.dot(pad_rows(x), w, preferred_element_type=F32)[:x.shape[0]]
+    rows, K = x.shape
+    x = pad_rows(x)
+    if K <= K_CHUNK:
+        return jnp.dot(x, w, preferred_element_type=F32)[:rows]
+    pad = -K % K_CHUNK
+    x, w = jnp.pad(x, ((0, 0), (0, pad))), jnp.pad(w, ((0, pad), (0, 0)))
+    acc = None
+    for c in range(0, K + pad, K_CHUNK):
+        part = jnp.dot(x[:, c:c + K_CHUNK], w[c:c + K_CHUNK], preferred_element_type=F32)
+        acc = part if acc is None else acc + part
+    return acc[:rows]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from mk.config import K3Config
-from mk.layers.common import bf, f32, mm, pad_rows, rms, rows_padded, sigmoid
+from mk.layers.common import bf, f32, mm, rms, sigmoid
 
 QK_NORM_EPS = 1e-6  # added to the squared L2 norm of q and k
 
@@ -41,23 +41,59 @@ def l2_normalize(x: jax.Array) -> jax.Array:
     return xf / jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + QK_NORM_EPS)
 
 
-def delta_rule(state, q, k, v, g, beta):
-    """One gated delta-rule step per head, all fp32, elementwise (no MXU).
+def to_column(row: jax.Array) -> jax.Array:
+    """[1, D] -> [D, 1] exactly: a sum over lanes of an identity-masked broadcast (TPU-friendly)."""
+    D = row.shape[-1]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (D, D), 0) == jax.lax.broadcasted_iota(jnp.int32, (D, D), 1)
+    return jnp.sum(jnp.where(eye, jnp.broadcast_to(row, (D, D)), 0.0), axis=1, keepdims=True)
 
-    state [B, H, D, D]; q, k, v, g [B, H, D]; beta [B, H] -> (o [B, H, D], new state).
-        S <- diag(exp(g)) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+
+def delta_rule_head(state, q, k, v, decay, beta):
+    """The gated delta rule for one head of one row, fp32, elementwise (no MXU), as the kernel runs it.
+
+    state [D, D] (key, value); q, k, v, beta [1, D] (beta broadcast over lanes); decay = exp(g)
+    [1, D] -> (o [1, D], new state [D, D]):
+        S <- diag(decay) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
     """
-    s = jnp.exp(g)[..., :, None] * state
-    u = beta[..., None] * (v - jnp.sum(s * k[..., :, None], axis=-2))
-    s = s + k[..., :, None] * u[..., None, :]
-    o = jnp.sum(s * q[..., :, None], axis=-2)
-    return o, s
+    s = to_column(decay) * state
+    k_col = to_column(k)
+    u = beta * (v - jnp.sum(s * k_col, axis=0, keepdims=True))
+    s = s + k_col * u
+    return jnp.sum(s * to_column(q), axis=0, keepdims=True), s
 
 
 def output_gate(o: jax.Array, g_o: jax.Array, o_norm: jax.Array, eps: float) -> jax.Array:
-    """`bf(RMS_D(bf(o); o_norm)) * bf(sigmoid(g_o))`, rounded: o f32 [B, H, D], g_o bf16 [B, H, D]."""
-    normed = rows_padded(rms, bf(o), o_norm, eps)
-    return bf(f32(normed) * f32(bf(sigmoid(g_o))))
+    """`bf(RMS_D(bf(o); o_norm)) * bf(sigmoid(g_o))`, rounded: o f32 [..., D], g_o [..., D] (bf16 values)."""
+    return bf(f32(rms(bf(o), o_norm, eps)) * f32(bf(sigmoid(bf(g_o)))))
+
+
+def kda_head(state, q, k, v, g, beta, g_o, o_norm, eps: float):
+    """Steps 3-8 of spec 1.4.3 for one head of one row, as the kernel runs it (one head at a time).
+
+    state [D, D] f32; q, k, v [1, D] (after the conv, fp32 of bf16); g [1, D] log-decay f32;
+    beta [1, D] (one value on every lane); g_o [1, D] (bf16 values); o_norm [D]
+    -> (gated output [1, D] bf16, new state [D, D] f32).
+    """
+    D = q.shape[-1]
+    o, state = delta_rule_head(state, l2_normalize(q) * (D ** -0.5), l2_normalize(k), f32(v), jnp.exp(g), beta)
+    return output_gate(o, g_o, o_norm, eps), state
+
+
+def heads(state, q, k, v, g, beta, g_o, o_norm, eps: float):
+    """`kda_head` for every row and head in turn: state [B, H, D, D]; q, k, v, g, g_o [B, H, D];
+    beta [B, H] -> (out [B, H, D] bf16, new state [B, H, D, D]).
+
+    One head at a time rather than batched [B, H, ...] arrays: XLA picks a reduction's summation
+    order (and where it fuses a multiply-add) from the shapes it sees, so the batched form rounds
+    the norms and key-axis sums differently from the kernel by an fp32 ulp, which later steps
+    amplify. The same function on the same shapes rounds the same.
+    """
+    B, H, D = q.shape
+    rows = lambda x: x.reshape(B * H, 1, D)
+    out, s = jax.lax.map(lambda x: kda_head(*x, o_norm, eps), (
+        state.reshape(B * H, D, D), rows(q), rows(k), rows(v), rows(g),
+        jnp.broadcast_to(beta.reshape(B * H, 1, 1), (B * H, 1, D)), rows(g_o)))
+    return out.reshape(B, H, D), s.reshape(B, H, D, D)
 
 
 def kda(a, w: dict, state, conv_state, cfg: K3Config, reduce=lambda partial: partial):
@@ -77,12 +113,6 @@ def kda(a, w: dict, state, conv_state, cfg: K3Config, reduce=lambda partial: par
     beta = sigmoid(bf(mm(a, w["b"])))                                         # [B, H]
     window = jnp.concatenate([conv_state, qkv[:, :, None]], axis=2)           # [B, 3, C, HD]
     conv = short_conv(window, w["conv"]).reshape(B, 3, H, D)
-    q = rows_padded(l2_normalize, conv[:, 0]) * (D ** -0.5)
-    k = rows_padded(l2_normalize, conv[:, 1])
-    v = f32(conv[:, 2])
     g = decay(g_raw, w["a_log"], w["dt_bias"].reshape(H, D), cfg.gate_lower_bound)
-    # rows padded to the row tile: the key-axis sums then reduce one shape for every batch size
-    o, state = delta_rule(*(pad_rows(x) for x in (state, q, k, v, g, beta)))
-    o, state = o[:B], state[:B]
-    out = output_gate(o, g_o, w["o_norm"], cfg.eps).reshape(B, H * D)
-    return bf(reduce(mm(out, w["o"]))), state, window[:, :, 1:]
+    out, state = heads(state, *(conv[:, j] for j in range(3)), g, beta, g_o, w["o_norm"], cfg.eps)
+    return bf(reduce(mm(out.reshape(B, H * D), w["o"]))), state, window[:, :, 1:]

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from mk.config import K3Config
 from mk.layers.common import bf, f32, mm, rms, rows_padded, sigmoid
 
+BLOCK = 128  # cache positions per online-softmax block (and per kernel DMA)
+
 
 def project_qkv(a, w: dict, cfg: K3Config):
     """Query, new key and new value of one token. a [B, d] bf16 ->
@@ -31,19 +33,54 @@ def project_qkv(a, w: dict, cfg: K3Config):
     return q, k, kv[..., D:]
 
 
+def attend_block(q, k_block, v_block, valid, m, l, acc, scale: float):
+    """One cache block of the online softmax (spec 1.4.4 step 6), for one head of one row, fp32.
+
+    q [1, Kc] f32; k_block [BLOCK, Kc], v_block [BLOCK, D] (bf16 values); valid [BLOCK, 1] bool;
+    running max m and denominator l [1, 128] (one value on every lane), accumulator acc [1, D]
+    -> updated (m, l, acc). Invalid slots count exactly zero, even if they hold NaN. The kernel
+    runs this very function on the blocks it DMAs in.
+    """
+    s = jnp.where(valid, jnp.sum(f32(k_block) * q, axis=-1, keepdims=True) * scale, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=0, keepdims=True))
+    p = jnp.exp(s - m_new[:, :1])
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=0, keepdims=True)
+    acc = acc * corr[:, :1] + jnp.sum(p * jnp.where(valid, f32(v_block), 0.0), axis=0, keepdims=True)
+    return m_new, l, acc
+
+
+def softmax_start(D: int):
+    """The online softmax's (m, l, acc) before the first block."""
+    return (jnp.full((1, 128), -jnp.inf, jnp.float32), jnp.zeros((1, 128), jnp.float32),
+            jnp.zeros((1, D), jnp.float32))
+
+
 def attend(q, k_cache, v_cache, pos, scale: float):
-    """Causal softmax attention of one query per row over its cache, fp32.
+    """Causal attention of one query per row over its cache, as an online softmax over BLOCK-slot
+    blocks 0..pos[b] // BLOCK (spec 1.4.4 step 6), one head of one row at a time like the kernel.
 
     q [B, H, Kc] bf16, caches [B, H, ctx, *], pos [B] int32 -> o [B, H, D] f32.
     Slots after pos[b] are excluded exactly (their contents never matter, even if NaN).
     """
-    ctx = k_cache.shape[2]
-    valid = jnp.arange(ctx)[None, :] <= pos[:, None]                        # [B, ctx]
-    s = jnp.einsum("bhk,bhtk->bht", f32(q), f32(k_cache), precision="highest") * scale
-    s = jnp.where(valid[:, None, :], s, -jnp.inf)
-    p = rows_padded(jax.nn.softmax, s, axis=-1)
-    v = jnp.where(valid[:, None, :, None], f32(v_cache), 0.0)
-    return jnp.einsum("bht,bhtd->bhd", p, v, precision="highest")
+    B, H, ctx, Kc = k_cache.shape
+    D = v_cache.shape[-1]
+    pad = -ctx % BLOCK                      # a short test cache is padded to whole blocks
+    k_cache, v_cache = (jnp.pad(c, ((0, 0), (0, 0), (0, pad), (0, 0))) for c in (k_cache, v_cache))
+    slot = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
+
+    def one(args):
+        q, kc, vc, t = args                 # [Kc], [ctx, Kc], [ctx, D], position
+
+        def block(j, carry):
+            kb, vb = (jax.lax.dynamic_slice_in_dim(c, j * BLOCK, BLOCK) for c in (kc, vc))
+            return attend_block(f32(q)[None], kb, vb, j * BLOCK + slot <= t, *carry, scale)
+        m, l, acc = jax.lax.fori_loop(0, t // BLOCK + 1, block, softmax_start(D))
+        return (acc / l[:, :1])[0]
+
+    o = jax.lax.map(one, (q.reshape(B * H, Kc), k_cache.reshape(B * H, ctx + pad, Kc),
+                          v_cache.reshape(B * H, ctx + pad, D), jnp.repeat(pos, H)))
+    return o.reshape(B, H, D)
 
 
 def write_cache(cache, new, pos):
