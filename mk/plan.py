@@ -314,16 +314,14 @@ class Plan:
         return {x.name: x for x in out}
 
     def layer_collectives(self, layer: int) -> tuple[str, ...]:
-        """Names of the collectives of `layer` in execution order (layer L = the LM head)."""
-        if self.devices == 1 or layer == self.config.layers:
-            return ()
-        return ("attn_out", "dense_out") if layer == 0 else ("attn_out", "moe_latent", "moe_routed", "moe_out")
+        """Names of the collectives of `layer` in execution order (layer L = the LM head), read off
+        the schedule (the step's leading `embed` belongs to no layer)."""
+        return tuple(p.name for p in self.phases
+                     if p.kind == "collective" and p.layer == layer and p.name != "embed")
 
     def collective_sequence(self) -> list[str]:
-        """Every collective of one step, in order."""
-        if self.devices == 1:
-            return []
-        return ["embed"] + [n for l in range(self.config.layers) for n in self.layer_collectives(l)]
+        """Every collective of one step, in schedule order."""
+        return [p.name for p in self.phases if p.kind == "collective"]
 
     @property
     def collectives_per_step(self) -> int:

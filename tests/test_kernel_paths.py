@@ -373,3 +373,19 @@ def test_bit_exact_on_mini(mini, mini_b1):
     np.testing.assert_array_equal(k_logits, np.asarray(r_logits))
     for n in CACHE_KEYS:
         np.testing.assert_array_equal(np.asarray(k_cache[n], np.float32), np.asarray(r_cache[n], np.float32), err_msg=n)
+
+
+@pytest.mark.slow
+def test_bit_exact_on_mini_tp8_batch8():
+    """8 heads, 8 rows, matrices deeper than one 512-row chunk, a later step with a non-zero KDA
+    state and two MLA positions: every logit and cache entry equals the reference's. Guards the
+    three places where the reference once summed in another order than the kernel: KDA's norms
+    and delta rule batched over [8, H, D] (now one head of one row at a time, `kda_head`), MLA's
+    softmax in one pass (now the online softmax over 128-slot blocks, `attend_block`), and one
+    dot over all of K (now 512-deep chunks added in order, `common.mm`, as the kernel's tiles)."""
+    from mk.check import check
+
+    cfg = get_config("mini-tp8")
+    res = check(cfg, batch=8, steps=2, detect_races=False, ctx=128)
+    assert res["max_abs_logit_err"] == 0.0, res["per_step"]
+    assert all(v == 0.0 for v in res["cache_max_abs_err_by_array"].values()), res["cache_max_abs_err_by_array"]

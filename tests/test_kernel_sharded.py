@@ -67,8 +67,9 @@ def test_plan_collectives_are_the_kernels():
     assert plan.layer_collectives(0) == ("attn_out", "dense_out")
     assert plan.layer_collectives(1) == ("attn_out", "moe_latent", "moe_routed", "moe_out")
     assert plan.collectives_per_step == 1 + 2 + 4 * (cfg.layers - 1)
-    phases = [p.name for p in plan.phases if p.kind == "collective"]
-    assert phases == plan.collective_sequence()
+    assert plan.collective_sequence() == ["embed", "attn_out", "dense_out"] + [
+        "attn_out", "moe_latent", "moe_routed", "moe_out"] * (cfg.layers - 1)
+    assert plan.layer_collectives(cfg.layers) == ()                   # the LM head: vocab-split logits
     assert plan.remote_bytes_per_step == sum(p.collective_bytes for p in plan.phases if p.kind == "collective")
     one = make_plan(cfg, 1)
     assert one.collectives_per_step == 0 and not any(p.kind == "collective" for p in one.phases)
