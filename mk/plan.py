@@ -51,6 +51,12 @@ class PlanError(UserError, ValueError):
 VMEM_BYTES = {"v5e": 128 * MiB, "v5p": 96 * MiB, "v6e": 128 * MiB, "tpu7x": 64 * MiB, "cpu": 64 * MiB}
 # Default scoped VMEM limit we ask Mosaic for: what the K3 kernel uses on TPU v7.
 DEFAULT_VMEM_LIMIT = 64 * MiB
+# VMEM that Mosaic uses beyond the kernel's buffers: values with no buffer of their own (the
+# residual p, the mixes and norms, KDA/MLA/MoE intermediates) and its internal scratch. Measured
+# as the compiler's "Used X of 64.00M vmem" minus the buffers' bytes, for k3-slice at depths 60
+# and 70 (1 core, B = 1, 8) and 110 and 120 (8 cores, B = 1, 8): 3.03-3.04 MiB on one core,
+# 1.25 MiB on eight, the same at every depth and batch. The largest, rounded up to 64 KiB.
+COMPILER_ALLOWANCE = 3 * MiB + 64 * 1024
 
 
 def round_up(x: int, m: int) -> int:
@@ -58,14 +64,37 @@ def round_up(x: int, m: int) -> int:
 
 
 def padded_bytes(shape: Sequence[int], itemsize: int) -> int:
-    """VMEM bytes of an array after Mosaic pads its two minor dims to the native tile
-    ([8, 128] for 32-bit, [16, 128] for 16-bit, [32, 128] for 8-bit types)."""
-    shape = tuple(shape)
-    if len(shape) == 1:
-        shape = (1,) + shape
-    sublanes = {4: 8, 2: 16, 1: 32}[itemsize]
-    lead = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
-    return lead * round_up(shape[-2], sublanes) * round_up(shape[-1], 128) * itemsize
+    """VMEM bytes of an array as Mosaic lays it out (jaxlib/mosaic infer_memref_layout): the minor
+    dim padded to 128 lanes, the second-minor to the row tile, which is 8 x packing rows (8 for
+    32-bit, 16 for 16-bit types) for arrays that tall, else the least power of two >= the rows,
+    at most 8 and at least the packing (1 for 32-bit, 2 for 16-bit)."""
+    *lead, rows, lanes = (1,) + tuple(shape) if len(shape) == 1 else tuple(shape)
+    packing = 4 // itemsize
+    tile = 8 * packing if rows >= 8 * packing else max(packing, min(8, 1 << (rows - 1).bit_length()))
+    return int(np.prod(lead, dtype=np.int64)) * round_up(rows, tile) * round_up(lanes, 128) * itemsize
+
+
+F32, BF16, I32 = "float32", "bfloat16", "int32"
+ITEMSIZE = {F32: 4, BF16: 2, I32: 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One buffer of the kernel: `space` "vmem", "smem" or "dma_sem" (an array of DMA semaphores,
+    no dtype); `dtype` a numpy dtype name; `output`: a VMEM output of the pallas_call, not scratch."""
+    name: str
+    space: str
+    shape: tuple[int, ...]
+    dtype: str | None = None
+    output: bool = False
+
+    @property
+    def vmem_bytes(self) -> int:
+        return padded_bytes(self.shape, ITEMSIZE[self.dtype]) if self.space == "vmem" else 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.dtype}{list(self.shape)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,31 +438,70 @@ class Plan:
             "n_mlp_blocks": np.array([c.n_mlp_blocks(l) for l in range(L)], np.int32),
         }
 
-    # ---- VMEM budget ---------------------------------------------------------------------------
+    # ---- the kernel's buffers and their VMEM budget -------------------------------------------
+    @cached_property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """Every VMEM, SMEM and semaphore buffer of the kernel, by name: its two VMEM outputs, then
+        its scratch in argument order (`mk.kernel.refs` hands them to `pallas_call`)."""
+        c, R, B = self.config, self.rows, self.batch
+        H, D, HD, d = self.heads, c.head_dim, self.attn_width, c.dim     # this device's heads
+        N, W = self.devices, self.exchange_width
+        E_pad = round_up(c.experts, 128)
+        VM = lambda name, shape, dtype: Buffer(name, "vmem", shape, dtype)
+        SM = lambda name, shape, dtype: Buffer(name, "smem", shape, dtype)
+        DMA = lambda name, shape: Buffer(name, "dma_sem", shape)
+        b = [
+            # outputs
+            Buffer("logits", "vmem", (R, self.stream(c.layers).matrix("lm_head").n), F32, output=True),
+            Buffer("p", "vmem", (R, d), BF16, output=True),                  # final residual prefix
+            # weight ring
+            VM("slots", (self.num_slots, self.tile_k, self.tile_n), BF16),   # [S, TK, TN]
+            DMA("slot_sems", (self.num_slots,)),
+            SM("distinct", (max(self.local_experts, 1),), I32),              # local ids of chosen experts
+            VM("xbuf", (R, self.k_max), BF16),                               # matmul input  [R, K]
+            VM("ybuf", (R, self.n_max), F32),                                # matmul output [R, N]
+            # residual state
+            VM("blocks", (c.n_blocks, R, d), F32),                           # snapshots b_0..b_{n-1}
+            VM("embed_rows", (B, 16, d), BF16),                              # embedding row groups
+            DMA("embed_sems", (B,)),
+            VM("vectors", (2, len(vector_rows(c)), self.vector_width), F32), # layer tables, 2 parities
+            DMA("vector_sems", (2,)),
+            # KDA
+            VM("kda_state", (B, H, D, D), F32),                              # [row, head, key, value]
+            VM("conv_state", (B, 3, c.conv_size - 1, HD), BF16),
+            DMA("state_sems", (2, B)),                                       # [state | conv, row]
+            VM("kda_feat", (5, R, HD), F32),                                 # conv'd q, k, v; decay; gate
+            VM("beta_raw", (R, round_up(H, 128)), BF16),
+            VM("attn_out", (R, HD), BF16),                                   # gated heads -> o_proj
+            # MLA
+            VM("mla_q", (R, H * c.k_cache_dim), BF16),
+            VM("mla_kv", (R, H * 2 * D), BF16),                              # per head [k_nope | v]
+            VM("mla_kr", (R, c.k_cache_dim - D), BF16),                      # shared raw key part, padded
+            VM("mla_gate", (R, HD), BF16),
+            VM("k_block", (H, 128, c.k_cache_dim), BF16),                    # one 128-position block
+            VM("v_block", (H, 128, D), BF16),
+            DMA("cache_sems", (2,)),
+            VM("softmax", (3, H, 1, 128), F32),                              # running max, denom (lane-bcast)
+            VM("softmax_acc", (H, 1, D), F32),
+            # MoE
+            VM("route_coef", (R, E_pad), F32),                               # routing weight, 0 = not chosen
+            VM("routed_acc", (R, self.latent_padded), F32),                  # [R, N * latent_block]
+        ]
+        if N > 1:   # collectives (mk.kernel.collectives): double-buffered by parity, one landing slot per rank
+            b += [
+                VM("landing", (2, N, R, W), BF16),                           # [parity, source, row, lane]
+                VM("send", (2, R, W), BF16),                                 # [parity, row, lane]
+                DMA("send_sems", (2, N)),                                    # [parity, destination]
+                DMA("recv_sems", (2, N)),                                    # [parity, source]
+            ]
+        return tuple(b)
+
     @cached_property
     def vmem_budget(self) -> dict[str, int]:
-        """Bytes of every VMEM buffer the kernel allocates, tile-padded (see `padded_bytes`)."""
-        c, R = self.config, self.rows
-        H, D, HD = self.heads, c.head_dim, self.attn_width
-        nv = len(vector_rows(c))
-        b = {
-            "weight ring": self.num_slots * padded_bytes((self.tile_k, self.tile_n), 2),
-            "matmul input (bf16)": padded_bytes((R, self.k_max), 2),
-            "matmul output (f32)": padded_bytes((R, self.n_max), 4),
-            "residual p + mix + normed (bf16)": 3 * padded_bytes((R, c.dim), 2),
-            "block snapshots (f32)": padded_bytes((c.n_blocks, R, c.dim), 4),
-            "layer vectors x2 (f32)": 2 * padded_bytes((nv, self.vector_width), 4),
-            "KDA state (f32)": self.batch * padded_bytes((H, D, D), 4),
-            "KDA conv state (bf16)": self.batch * padded_bytes((3, c.conv_size - 1, HD), 2),
-            "KDA features (f32)": 5 * padded_bytes((R, HD), 4),
-            "MLA K/V block": padded_bytes((H, 128, c.k_cache_dim), 2) + padded_bytes((H, 128, D), 2),
-            "MLA q/k/v (bf16)": 2 * padded_bytes((R, H * c.k_cache_dim), 2) + padded_bytes((R, H * D), 2),
-            "MoE routing (f32)": 3 * padded_bytes((R, round_up(c.experts, 128)), 4),
-            "MoE accumulators (f32)": padded_bytes((R, self.latent_padded), 4) + padded_bytes((R, c.dim), 4),
-            "logits (f32)": padded_bytes((R, self.streams[-1].pre[0].n_pad), 4),
-        }
-        if self.devices > 1:   # double-buffered landing slots (one per rank) and send staging
-            b["collective landing + send (bf16)"] = 2 * (self.devices + 1) * padded_bytes((R, self.exchange_width), 2)
+        """VMEM bytes by item: each "vmem" buffer of `buffers`, tile-padded (`padded_bytes`), plus
+        `COMPILER_ALLOWANCE` for what Mosaic keeps in VMEM without a buffer of ours."""
+        b = {x.label: x.vmem_bytes for x in self.buffers if x.space == "vmem"}
+        b["compiler temporaries (allowance)"] = COMPILER_ALLOWANCE
         return b
 
     @property

@@ -6,7 +6,9 @@ from mk.plan import MiB, PlanError, make_plan, padded_bytes
 
 
 def test_padding_rules():
-    assert padded_bytes((1, 100), 4) == 8 * 128 * 4
+    assert padded_bytes((1, 100), 4) == 1 * 128 * 4
+    assert padded_bytes((8, 100), 2) == 8 * 128 * 2
+    assert padded_bytes((3, 3, 128), 2) == 3 * 4 * 128 * 2
     assert padded_bytes((17, 129), 2) == 32 * 256 * 2
     assert padded_bytes((3, 8, 128), 4) == 3 * 8 * 128 * 4
 
@@ -35,6 +37,6 @@ def test_depth_and_slots_validated():
 
 
 def test_vmem_overflow_refused_with_clear_message():
-    with pytest.raises(PlanError, match=r"MiB of VMEM but the limit is 64.0 MiB.*weight ring"):
+    with pytest.raises(PlanError, match=r"MiB of VMEM but the limit is 64.0 MiB.*slots bfloat16\[61, 512, 512\]"):
         make_plan(get_config("k3-slice"), 1, prefetch_depth=60)
     assert make_plan(get_config("k3-slice"), 1, prefetch_depth=40).vmem_planned_bytes < 64 * MiB

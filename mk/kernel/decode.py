@@ -174,26 +174,25 @@ def build_call(plan: Plan, interpret=None):
     if interpret is None:
         interpret = False if on_tpu() else interpret_params()
     n_prefetch = len(refs_mod.SCALARS) + len(refs_mod.TABLES)
-    R = plan.rows
-    logits_cols = plan.stream(plan.config.layers).matrix("lm_head").n
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     n_in = len(refs_mod.INPUTS)
-    # inputs 4..7 (states and caches) alias outputs 2..5; indices count the scalar-prefetch args.
-    aliases = {n_prefetch + 4 + j: 2 + j for j in range(4)}
+    out_names = refs_mod.outputs(plan)
+    vmem_out = refs_mod.vmem_outputs(plan)
+    # aliased input -> output, by name; input indices count the scalar-prefetch args.
+    aliases = {n_prefetch + refs_mod.INPUTS.index(i): out_names.index(o) for i, o in refs_mod.ALIASES.items()}
     # The entry barrier's semaphore exists only with a collective id (mesh runs).
     collective = {"collective_id": 0} if plan.devices > 1 else {}
 
     def call(scalars, inputs):
-        states = inputs[4:]
+        states = [inputs[refs_mod.INPUTS.index(i)] for i in refs_mod.ALIASES]
         return pl.pallas_call(
             decode_kernel(plan),
-            out_shape=[jax.ShapeDtypeStruct((R, logits_cols), jnp.float32),       # logits (vocab block)
-                       jax.ShapeDtypeStruct((R, plan.config.dim), jnp.bfloat16)]   # final prefix p
+            out_shape=[jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in vmem_out]
                       + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states],
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=n_prefetch, grid=(),
                 in_specs=[any_spec] * n_in,
-                out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] * 2 + [any_spec] * 4,
+                out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] * len(vmem_out) + [any_spec] * len(states),
                 scratch_shapes=refs_mod.scratch_shapes(plan)),
             input_output_aliases=aliases,
             compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit, has_side_effects=False,
