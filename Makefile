@@ -1,6 +1,7 @@
 # mk: the two commands of the README, and what they need.
 #   make run   - execute every notebook headless (papermill) on the mini config -> runs/<timestamp>/
 #   make test  - the whole test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval)
+#   make check-sharded - the sharded kernel vs the sharded reference, 8 steps, every batch / DMA mode / mesh (~25 min)
 #   make lab   - open the notebooks interactively in JupyterLab (LAB_ARGS="--no-browser --ip=0.0.0.0" on a VM)
 PYTHON ?= python3
 VENV   := .venv
@@ -9,7 +10,7 @@ STAMP  := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: run test venv demo clean browser lab
+.PHONY: run test venv demo clean browser lab check-sharded
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +46,14 @@ test: $(STAMP) browser
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  $(PY) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
 	fi
+
+# The full interpret-mode matrix of the sharded step (make test runs a few of these cases, fewer steps).
+SHARDED_CASES ?= 8:1:on_wait 8:2:on_wait 8:4:on_wait 8:8:on_wait 8:1:eager 8:8:eager 4:4:on_wait 4:1:eager 2:2:on_wait 2:8:eager
+check-sharded: $(STAMP)
+	@for c in $(SHARDED_CASES); do set -- $$(echo $$c | tr : ' '); \
+	  echo "== mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --steps 8"; \
+	  $(PY) -m mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --steps 8 || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,14 +2,18 @@
 reference, in TPU interpret mode on virtual CPU devices (conftest: 8), race detector on.
 
 Tolerances, and why. Kernel and sharded reference make the same bf16 roundings (the wire of every
-reduction is bf16, summed in fp32 in rank order on both sides), so the first step is bit-exact. What is
-left is fp32 association inside a rank (the KDA delta rule's reductions, the latent norm's sum
-over the padded gathered width, MXU-tile K blocking): one fp32 ulp that, once it crosses a bf16
-rounding point, moves one value by one bf16 ulp and then propagates through the recurrent state.
-So: step 0 logits bit-exact (B = 1, 2, 4; at B = 8 one rounding differs already, 0.019: not
-root-caused); over all steps logits within 0.06 x the logit std (a bf16
-ulp at |x| ~ 4 is 0.016: a few ulps), bf16 caches within 4 bf16 ulps of their own scale (the
-array's max |value|), greedy tokens equal except at reference near-ties (mk.check.NEAR_TIE).
+reduction is bf16, summed in fp32 in rank order on both sides) and, inside a rank, the same fp32
+summation orders (one head of one row at a time, 128-slot softmax blocks, 512-deep matmul chunks:
+on one device the kernel equals `mk.reference` bit for bit, tests/test_kernel_paths.py). On a mesh
+the latent-space math is not yet in the same order on both sides: the kernel's gathered latent
+vector is N rank blocks zero-padded to 128 lanes, the reference's is dense, and XLA sums the two
+layouts (and fuses a padded operand into a dot) in different orders. Rarely, a value then moves
+by a bf16 ulp and propagates (measured, mini-tp8, `make check-sharded`: 8 steps, B = 1, 2, 4, 8,
+both DMA modes, 2, 4 and 8 devices: first at step 2 to 5; at step 0 for one B = 8 prompt). So:
+the first step bit-exact below B = 8; over all steps logits within 0.05 x the logit std
+(measured worst 0.028), greedy tokens equal except at reference near-ties (mk.check.NEAR_TIE;
+measured one flip at margin 0.0007), caches within 2 bf16 ulps of each array's scale (its max
+|value|; measured worst 1.25, the fp32 KDA state at B = 4 and 8).
 """
 import pytest
 
@@ -17,8 +21,9 @@ from mk import params as params_mod
 from mk.check import MAX_FLIPS, NEAR_TIE, check
 from mk.config import get_config
 
-LOGIT_REL_TOL = 0.06      # x the reference logits' std
-CACHE_ULPS = 4            # bf16 caches: |kernel - reference| <= this many ulps of the array's scale
+LOGIT_REL_TOL = 0.05      # x the reference logits' std
+CACHE_ULPS = 2            # caches: |kernel - reference| <= this many bf16 ulps of the array's scale
+EXACT_FIRST_STEP_BELOW_B = 8   # below this batch the first step is bit-exact in every case we ran
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +35,13 @@ def tp8():
 def _assert_close(res):
     assert res["verdict"] == "pass", res["reasons"]
     assert res["races"] == 0 and not res["nan"], res
-    if res["batch"] < 8:        # step 0 bit-exact (measured at B = 1, 2, 4; at B = 8 one bf16 rounding
-        assert res["per_step"][0]["max_abs_logit_err"] == 0.0, res["per_step"][0]   # differs: 0.019)
+    if res["batch"] < EXACT_FIRST_STEP_BELOW_B:
+        step = res["per_step"][0]
+        assert step["max_abs_logit_err"] == 0.0 and step["cache_max_abs_err"] == 0.0, step
     assert res["max_abs_logit_err"] <= LOGIT_REL_TOL * res["logit_scale"], res["per_step"]
     assert all(f["ref_margin"] < NEAR_TIE for f in res["greedy_flips"]), res["greedy_flips"]
     assert len(res["greedy_flips"]) <= MAX_FLIPS
-    for n in ("conv_state", "mla_k", "mla_v"):
+    for n in ("kda_state", "conv_state", "mla_k", "mla_v"):
         assert res["cache_max_abs_err_by_array"][n] <= CACHE_ULPS * res["cache_scale_ulp"][n], (n, res)
     assert res["pallas_calls_per_step"] == 1
     # the residual stream p is replicated state: every device holds the same bits, every step
