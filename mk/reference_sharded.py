@@ -39,6 +39,7 @@ from mk import sharding
 from mk.config import K3Config
 from mk.layers.attn_res import mix
 from mk.layers.common import F32, bf, f32, mm, rms, rows_padded, sigmoid, situ
+from mk.layers.dense_mlp import dense_mlp
 from mk.layers.kda import kda
 from mk.layers.mla import mla
 from mk.layers.moe import expert, route
@@ -81,8 +82,8 @@ def _mla_local(a, w: dict, k_cache, v_cache, pos, cfg: K3Config):
 
 
 def _dense_local(m, w: dict, cfg: K3Config):
-    h = situ(bf(mm(m, w["gate"])), bf(mm(m, w["up"])), cfg.situ_beta, cfg.situ_linear_beta)
-    return bf(reduce_bf16(mm(h, w["down"])))
+    """`mk.layers.dense_mlp.dense_mlp` on this rank's slice of the hidden width; z reduced over ranks."""
+    return dense_mlp(m, w, cfg, reduce=reduce_bf16)
 
 
 def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):

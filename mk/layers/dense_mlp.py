@@ -7,7 +7,8 @@ from mk.config import K3Config
 from mk.layers.common import bf, mm, situ
 
 
-def dense_mlp(m: jax.Array, w: dict, cfg: K3Config) -> jax.Array:
-    """m [B, d] bf16; w: gate, up [d, F], down [F, d] -> [B, d] bf16."""
+def dense_mlp(m: jax.Array, w: dict, cfg: K3Config, reduce=lambda partial: partial) -> jax.Array:
+    """m [B, d] bf16; w: gate, up [d, F], down [F, d] -> [B, d] bf16. `reduce`: as in
+    `mk.layers.kda.kda` (the down projection's partials over devices on a mesh, F split)."""
     h = situ(bf(mm(m, w["gate"])), bf(mm(m, w["up"])), cfg.situ_beta, cfg.situ_linear_beta)
-    return bf(mm(h, w["down"]))
+    return bf(reduce(mm(h, w["down"])))
