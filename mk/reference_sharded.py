@@ -14,11 +14,13 @@ Where the step splits (per rank r of N, ep index g, tp index q):
     embedding         rows [r V/N, (r+1) V/N): p = bf(reduce(owned row or 0))        (exact)
     KDA / MLA         H/N heads; y = bf(reduce(mm(attn_out_local, o_local)))
     dense MLP         F/N columns; z = bf(reduce(mm(h_local, down_local)))
-    MoE latent        Lt/N columns of latent_down, all-gathered (exact concatenation)
-    routed experts    experts [g E/ep, (g+1) E/ep), FFN slice q of each: per row, its chosen
-                      local experts in ascending id add w * f32(bf(partial down output));
-                      r_sum = bf(reduce(acc)); latent norm on the full width; this rank's
-                      Lt/N slice times its latent_up rows, plus the shared experts' partial
+    MoE latent        Lt/N columns of latent_down, all-gathered (exact concatenation) into the
+                      kernel's layout: N rank blocks, each zero-padded to whole 128-lane tiles
+    routed experts    experts [g E/ep, (g+1) E/ep), FFN slice q of each, expert by expert in
+                      ascending id on all rows at once (the kernel's order and tile shapes): each
+                      row adds coef * f32(bf(partial down output)), coef = 0 if it did not choose
+                      the expert; r_sum = bf(reduce(acc)); latent norm on the full width; this
+                      rank's block times its latent_up rows, plus the shared experts' partial
                       (S/N columns): z = bf(reduce(z_routed_partial + z_shared_partial))
     LM head           V/N columns: logits come back sharded over the vocabulary
 Everything on the residual stream p (mixes, norms, router, routing) is replicated: computed
@@ -38,13 +40,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mk import sharding
 from mk.config import K3Config
 from mk.layers.attn_res import mix
-from mk.layers.common import F32, bf, f32, mm, rms, rows_padded, sigmoid, situ
+from mk.layers.common import F32, K_CHUNK, bf, f32, mm, pad_rows, rms, rows_padded, sigmoid, situ
 from mk.layers.dense_mlp import dense_mlp
 from mk.layers.kda import kda
 from mk.layers.mla import mla
-from mk.layers.moe import expert, route
+from mk.layers.moe import route
 from mk.reference import init_cache, layer_slice
 from mk.sharding import ALL
+
+TILE_N = 256   # the kernel's weight-tile width on the mini presets (mk.plan); column tiles do not
+               # change a column's sum, but the reference keeps the kernel's shapes throughout
 
 __all__ = ["reduce_bf16", "make_sharded_step", "decode_step_sharded", "shard_params", "shard_cache",
            "init_cache_sharded", "replicate", "mesh_for", "gather", "step_fn_for", "teacher_forced_logits"]
@@ -86,31 +91,79 @@ def _dense_local(m, w: dict, cfg: K3Config):
     return dense_mlp(m, w, cfg, reduce=reduce_bf16)
 
 
+def _latent_blocks(x, n: int, axis: int):
+    """x with its latent axis (length `latent`) laid out as the kernel's gathered latent vector
+    (`mk.plan.to_latent_blocks`): n rank blocks of latent / n features, each zero-padded to whole
+    128-lane tiles. The zeros add nothing, but where they sit decides which real terms share a
+    512-deep K chunk of a matmul, so the latent-space math runs on the kernel's layout."""
+    x = jnp.moveaxis(x, axis, -1)
+    per = x.shape[-1] // n
+    x = jnp.pad(x.reshape(x.shape[:-1] + (n, per)), [(0, 0)] * (x.ndim - 1) + [(0, 0), (0, -per % 128)])
+    return jnp.moveaxis(x.reshape(x.shape[:-2] + (-1,)), -1, axis)
+
+
+def _tiled_mm(x, w):
+    """`x @ w` as the kernel's ring runs it: x [rows, K] bf16, w [K, N] -> [rows, N] f32, with K
+    zero-padded to whole K_CHUNK tiles and N cut into TILE_N-wide column tiles, each column tile
+    summing its K tiles in order (`mk.kernel.ring.WeightRing.matmul`)."""
+    rows, K = x.shape
+    N = w.shape[1]
+    kp, np_ = -K % K_CHUNK, -N % TILE_N
+    x, w = jnp.pad(pad_rows(x), ((0, 0), (0, kp))), jnp.pad(w, ((0, kp), (0, np_)))
+    cols = []
+    for j in range(0, N + np_, TILE_N):
+        acc = None
+        for c in range(0, K + kp, K_CHUNK):
+            part = jnp.dot(x[:, c:c + K_CHUNK], w[c:c + K_CHUNK, j:j + TILE_N], preferred_element_type=F32)
+            acc = part if acc is None else acc + part
+        cols.append(acc)
+    return jnp.concatenate(cols, 1)[:rows, :N]
+
+
+def _routed_experts(latent, coef, w1, w3, w2, cfg: K3Config):
+    """This rank's routed experts, expert by expert as the kernel runs them: every row through each
+    local expert in ascending id, weighted by its routing coefficient (exactly 0 where the row did
+    not choose the expert, which adds nothing), accumulated in fp32.
+
+    latent [B, Lp] bf16 (gathered layout); coef [E_local, B] f32; w1, w3 [E_local, Lp, fe];
+    w2 [E_local, fe, Lp] -> acc [B, Lp] f32 (this rank's partial)."""
+    fe = w1.shape[-1]
+    lanes = -(-fe // 128) * 128                                  # [w1 | w3] fused, each part lane-aligned
+    gu_w = jnp.concatenate([jnp.pad(w, ((0, 0), (0, 0), (0, lanes - fe))) for w in (w1, w3)], axis=-1)
+
+    def expert(acc, xs):
+        c, gu_e, w2_e = xs
+        gu = _tiled_mm(latent, gu_e)
+        h = situ(bf(gu[:, :fe]), bf(gu[:, lanes:lanes + fe]), cfg.situ_beta, cfg.situ_linear_beta)
+        return acc + c[:, None] * f32(bf(_tiled_mm(h, w2_e))), None
+
+    acc, _ = jax.lax.scan(expert, jnp.zeros(latent.shape, F32), (coef, gu_w, w2))
+    return acc
+
+
 def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):
-    """`mk.layers.moe.moe` on this rank's share -> (z [B, d] bf16, (ids [B, k], route margin [B]))."""
+    """`mk.layers.moe.moe` on this rank's share -> (z [B, d] bf16, (ids [B, k], route margin [B])).
+
+    The latent space uses the kernel's gathered layout (`_latent_blocks`): [B, n * block]."""
     r = _rank()
     ids, weights = route(m, w["router"], w["router_bias"], cfg.top_k)   # replicated
     latent = jax.lax.all_gather(bf(mm(m, w["latent_down"])), ALL, axis=1, tiled=True)   # [B, Lt]
+    latent = _latent_blocks(latent, n, axis=1)                   # [B, Lp = n * block]
     e_local = cfg.experts // ep
-    group = r // (n // ep)                                       # this rank's ep index
-
-    def row(l, row_ids, row_w):
-        # an fp32 zero XLA cannot see through, as in mk.layers.moe (FMA contraction order)
-        acc = jax.lax.optimization_barrier(jnp.zeros((l.shape[-1],), F32))
-        for j in range(cfg.top_k):
-            e = row_ids[j]
-            mine = e // e_local == group
-            i = jnp.clip(e - group * e_local, 0, e_local - 1)
-            out = expert(l[None], w["w1"][i], w["w3"][i], w["w2"][i], cfg)[0]   # partial, bf16
-            acc = jnp.where(mine, acc + row_w[j] * f32(out), acc)
-        return acc
-
-    r_sum = bf(reduce_bf16(jax.vmap(row)(latent, ids, weights)))
+    first = (r // (n // ep)) * e_local                           # global id of this rank's first expert
+    local_ids = first + jnp.arange(e_local)
+    coef = jnp.sum(jnp.where(ids[None] == local_ids[:, None, None], weights[None], 0.0), axis=-1)   # [E_local, B]
+    w1, w3 = (_latent_blocks(w[k], n, axis=1) for k in ("w1", "w3"))
+    acc = _routed_experts(latent, coef, w1, w3, _latent_blocks(w["w2"], n, axis=2), cfg)
+    r_sum = f32(bf(reduce_bf16(acc)))                            # [B, Lp], every rank's full latent
     gamma = jax.lax.all_gather(w["latent_norm"], ALL, axis=0, tiled=True)   # full width, exact
-    r_n = rows_padded(rms, r_sum, gamma, cfg.eps)
-    width = cfg.latent // n
-    r_n = jax.lax.dynamic_slice_in_dim(r_n, r * width, width, axis=1)
-    z_routed = mm(r_n, w["latent_up"])
+    x = pad_rows(r_sum)
+    inv = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) / cfg.latent + cfg.eps)[:r_sum.shape[0]]
+    block = r_sum.shape[1] // n
+    mine = jax.lax.dynamic_slice_in_dim(r_sum, r * block, block, axis=1)      # this rank's rows of latent_up
+    gamma = jax.lax.dynamic_slice_in_dim(_latent_blocks(gamma, n, axis=0), r * block, block)
+    r_n = bf(mine / inv * gamma)
+    z_routed = mm(r_n, _latent_blocks(w["latent_up"], 1, axis=0))
     h = situ(bf(mm(m, w["shared_gate"])), bf(mm(m, w["shared_up"])), cfg.situ_beta, cfg.situ_linear_beta)
     z_shared = mm(h, w["shared_down"])
     return bf(reduce_bf16(z_routed + z_shared)), (ids, _route_margin(m, w, cfg.top_k))
