@@ -158,6 +158,8 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     if prompt.ndim == 1:
         prompt = prompt[None]
     B, T0 = prompt.shape
+    if T0 == 0:
+        raise SpeculativeError("the prompt must hold at least one token")
     check_k(k, B)
     if fixed_acceptance is not None and not 1 <= fixed_acceptance <= k + 1:
         raise SpeculativeError(f"--fixed-acceptance-length must lie in 1..{k + 1} (1 + --speculative), "
@@ -167,6 +169,7 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     ctx = ctx or max(ref.DEFAULT_CTX, -(-total // 128) * 128)
     if total > ctx:
         raise SpeculativeError(f"prompt + max_new_tokens + 2 x (1 + k) = {total} exceed ctx={ctx}")
+    ref._check_tokens(prompt, cfg, ctx)
     aux_layers = tuple(drafter.aux_layers)
     verify_fn = verify_fn or (lambda p, c, t, aux: ref.verify_step(p, c, t, cfg=cfg, aux_layers=aux))
 
