@@ -108,11 +108,12 @@ class AgreeingDrafter:
     """Test drafter: knows a reference continuation `truth` [B, N] (token at each position) and
     proposes it with probability `agree` per draft (else a wrong token), so acceptance can be set.
     `schedule`, if given, fixes how many leading drafts agree at each step instead (then cycles):
-    k = full acceptance, 0 = forced rejection of every draft."""
+    k = full acceptance, 0 = forced rejection of every draft. `aux_layers` only chooses which aux
+    rows the verify step returns (unused here; lets a test share one compiled verify step)."""
 
-    aux_layers = ()
-
-    def __init__(self, truth, agree: float = 1.0, seed: int = 0, schedule=None, vocab: int | None = None):
+    def __init__(self, truth, agree: float = 1.0, seed: int = 0, schedule=None, vocab: int | None = None,
+                 aux_layers: tuple[int, ...] = ()):
+        self.aux_layers = tuple(aux_layers)
         self.truth = np.asarray(truth)
         self.agree, self.seed, self.schedule = agree, seed, schedule
         self.vocab = vocab or int(self.truth.max()) + 2

@@ -19,6 +19,7 @@ from mk.config import get_config
 
 CFG = get_config("mini")
 CTX = 256
+AUX = (4, 2)    # every verify step here returns these aux rows: one compiled verify step for the file
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_verify_step_equals_successive_decode_steps(params):
     T = 4
     cache = cache_near(params, 1, [126])
     tokens = jnp.asarray([[11, 1500, 7, 300]], jnp.int32)
-    logits, block = ref.verify_step(params, cache, tokens, cfg=CFG, aux_layers=(4, 2))
+    logits, block = ref.verify_step(params, cache, tokens, cfg=CFG, aux_layers=AUX)
     assert logits.shape == (1, T, CFG.vocab) and block["aux"].shape == (1, T, 2, CFG.dim)
     stepped = cache
     for t in range(T):
@@ -81,7 +82,7 @@ def test_greedy_speculative_equals_plain_greedy(params):
     prompt = np.asarray([(i * 37 + 11) % CFG.vocab for i in range(72)], np.int32)
     plain = ref.generate(params, CFG, prompt, 64, ctx=CTX)["tokens"]
     truth = np.concatenate([prompt[None], plain], 1)
-    drafter = spec.AgreeingDrafter(truth, schedule=[3, 0, 1, 3, 2], vocab=CFG.vocab)
+    drafter = spec.AgreeingDrafter(truth, schedule=[3, 0, 1, 3, 2], vocab=CFG.vocab, aux_layers=AUX)
     res = spec.generate(params, CFG, prompt, 64, drafter, 3, ctx=CTX)
     np.testing.assert_array_equal(res["tokens"], plain)
     lengths = res["acceptance"][0]
@@ -137,7 +138,7 @@ def test_speculative_sampling_on_mini(params):
     of the acceptance rule on one verify step's logits, chi-square at significance 0.001."""
     from mk import speculative as spec
     cache = cache_near(params, 1, [3])
-    logits, _ = ref.verify_step(params, cache, jnp.asarray([[9, 10, 11, 12]], jnp.int32), cfg=CFG)
+    logits, _ = ref.verify_step(params, cache, jnp.asarray([[9, 10, 11, 12]], jnp.int32), cfg=CFG, aux_layers=AUX)
     p = np.asarray(spec.nucleus_probs(logits[0] / 0.5, 1.0, 0.9), np.float64)   # sharpen: a ~dozen-token nucleus
     drafts = np.argsort(-p[:3], axis=-1)[:, 0]                      # likely drafts: all three paths occur
     rng = np.random.default_rng(1)
