@@ -89,6 +89,8 @@ def _check_options(args):
         check_k(args.speculative, args.batch)
         if args.backend != "reference":
             raise GenerateError("--speculative runs on --backend reference (the kernel's verify step is not built yet)")
+        if args.mesh is not None or args.coordinator is not None:
+            raise GenerateError("--speculative runs on one device of one process (no --mesh / --coordinator yet)")
         L = args.fixed_acceptance_length
         if L is not None and not 1 <= L <= args.speculative + 1:
             raise GenerateError(f"--fixed-acceptance-length must lie in 1..{args.speculative + 1} "
