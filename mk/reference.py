@@ -26,8 +26,8 @@ from mk.config import K3Config
 from mk.layers.attn_res import mix
 from mk.layers.common import BF16, F32, bf, mm, rms, rows_padded
 from mk.layers.dense_mlp import dense_mlp
-from mk.layers.kda import kda
-from mk.layers.mla import mla
+from mk.layers.kda import kda_tokens
+from mk.layers.mla import mla_tokens
 from mk.layers.moe import moe
 
 DEFAULT_CTX = 256
@@ -53,33 +53,84 @@ def layer_slice(tree: dict, i: int) -> dict:
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def decode_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config):
-    """tokens [B] int32 -> (logits [B, V] f32, cache advanced by one position)."""
+    """tokens [B] int32 -> (logits [B, V] f32, cache advanced by one position).
+
+    The one-token case of `verify_step` (T = 1, the only row accepted)."""
+    logits, block = run_block(params, cache, tokens[:, None], cfg)
+    return logits[:, 0], commit(cache, block, jnp.zeros_like(cache["pos"]))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "aux_layers"))
+def verify_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, aux_layers: tuple[int, ...] = ()):
+    """A speculative verify step: tokens [B, T] int32 (anchor + T-1 drafts per row, at positions
+    pos[b]..pos[b]+T-1) -> (logits [B, T, V] f32, block).
+
+    Row t's logits are what `decode_step` returns after consuming tokens[:, :t+1]: bit for bit the
+    same, since every token runs the one-token step's functions on the same shapes (matmuls pad
+    rows to the 8-row tile; T*B <= 8 keeps the tile) and KDA chains its state token to token.
+    `block` holds what rollback needs (see `run_block`); `commit(cache, block, count)` continues
+    from the state after token count[b] of each row (state_row = count). The cache is not changed
+    in place: MLA slots past the committed position are masked until the next step overwrites them.
+    """
+    return run_block(params, cache, tokens, cfg, aux_layers)
+
+
+def commit(cache: dict, block: dict, count: jax.Array) -> dict:
+    """The cache after accepting rows 0..count[b] of a verify block (count [B] int32 in [0, T-1]):
+    pos advances by count + 1, KDA and conv states are the post-states of row count[b], the MLA
+    caches keep every written slot (the ones past the new position are masked, then overwritten)."""
+    pick = lambda x: jnp.take_along_axis(x, count.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+    return {"pos": cache["pos"] + count + 1, "kda_state": pick(block["kda_state"]),
+            "conv_state": pick(block["conv_state"]), "mla_k": block["mla_k"], "mla_v": block["mla_v"]}
+
+
+def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_layers: Sequence[int] = ()):
+    """T consecutive tokens per row through the model: tokens [B, T] -> (logits [B, T, V] f32, block).
+
+    block: kda_state [B, T, n_kda, H, D, D] and conv_state [B, T, n_kda, 3, C-1, HD] (the states
+    after each token), mla_k / mla_v (all T slots written), aux [B, T, len(aux_layers), d] bf16 (the
+    running prefix p with which each layer in aux_layers starts, spec 4.1: the drafter's context).
+    """
+    B, T = tokens.shape
+    bad = [l for l in aux_layers if not 0 < l < cfg.layers]
+    if bad:
+        raise ValueError(f"aux layers {bad} outside 1..{cfg.layers - 1}")
     pos = cache["pos"]
     kda_state, conv_state = cache["kda_state"], cache["conv_state"]
+    kda_states, conv_states = [None] * cfg.n_kda, [None] * cfg.n_kda
     mla_k, mla_v = cache["mla_k"], cache["mla_v"]
-    p = params["embed"][tokens]                                   # [B, d] bf16, b_0 = p
+    rows = lambda x: x.reshape(B, T, -1)
+    p = params["embed"][tokens.reshape(B * T)]                     # [B*T, d] bf16, b_0 = p
     blocks: list[jax.Array] = []
+    aux = []
     for l in range(cfg.layers):
+        if l in aux_layers:
+            aux.append(p)
         lw = layer_slice(params["layer"], l)
         x = mix(p, blocks[:cfg.n_attn_blocks(l)], lw["attn_res"], cfg.eps)
         if cfg.starts_block(l):
             blocks.append(p)
-        a = rows_padded(rms, x, lw["attn_norm"], cfg.eps)
+        a = rows(rows_padded(rms, x, lw["attn_norm"], cfg.eps))
         i = cfg.family_index(l)
         if cfg.is_mla(l):
-            y, k_i, v_i = mla(a, layer_slice(params["mla"], i), mla_k[:, i], mla_v[:, i], pos, cfg)
+            y, k_i, v_i = mla_tokens(a, layer_slice(params["mla"], i), mla_k[:, i], mla_v[:, i], pos, cfg)
             mla_k, mla_v = mla_k.at[:, i].set(k_i), mla_v.at[:, i].set(v_i)
         else:
-            y, s_i, c_i = kda(a, layer_slice(params["kda"], i), kda_state[:, i], conv_state[:, i], cfg)
-            kda_state, conv_state = kda_state.at[:, i].set(s_i), conv_state.at[:, i].set(c_i)
+            y, kda_states[i], conv_states[i] = kda_tokens(a, layer_slice(params["kda"], i), kda_state[:, i],
+                                                          conv_state[:, i], cfg)
+        y = y.reshape(B * T, -1)
         p = y if cfg.starts_block(l) else bf(p + y)
         x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps)
         m = rows_padded(rms, x, lw["ffn_norm"], cfg.eps)
         z = dense_mlp(m, params["dense"], cfg) if l == 0 else moe(m, layer_slice(params["moe"], l - 1), cfg)
         p = bf(p + z)
-    logits = final_logits(params, p, blocks, cfg)
-    cache = {"pos": pos + 1, "kda_state": kda_state, "conv_state": conv_state, "mla_k": mla_k, "mla_v": mla_v}
-    return logits, cache
+    logits = final_logits(params, p, blocks, cfg).reshape(B, T, -1)
+    order = [sorted(aux_layers).index(l) for l in aux_layers]      # aux in the caller's order
+    block = {"kda_state": jnp.stack(kda_states, axis=2), "conv_state": jnp.stack(conv_states, axis=2),
+             "mla_k": mla_k, "mla_v": mla_v,
+             "aux": (jnp.stack([rows(aux[j]) for j in order], axis=2) if aux else
+                     jnp.zeros((B, T, 0, cfg.dim), BF16))}
+    return logits, block
 
 
 def final_logits(params: dict, p, blocks: Sequence[jax.Array], cfg: K3Config):

@@ -50,7 +50,11 @@ def paths(tmp_path_factory, ckpt):
     afile.write_text("not a directory")
     no_config = d / "empty_dir"
     no_config.mkdir()
+    from mk import drafter
+    drafter.write(drafter.config_for(get_config("mini")), d / "draft_vocab")          # vocab 2048 != 512
+    drafter.write(drafter.config_for(TINY.replace(layers=8)), d / "draft_aux")       # aux layers 2, 4, 6
     return {"CKPT": ckpt, "FILE": str(afile), "EMPTY": str(no_config), "OUT": str(d / "out"),
+            "DRAFT_VOCAB": str(d / "draft_vocab"), "DRAFT_AUX": str(d / "draft_aux"),
             "MISSING": str(d / "missing"), "NOPARENT": str(d / "missing" / "deeper" / "x.npy")}
 
 
@@ -72,6 +76,14 @@ CASES = [
     (["generate", "--prompt-tokens", "1", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["generate", "--prompt-tokens", "1", "--seed", "-1"], "argument --seed: must be at least 0"),
     (["generate", "--prompt-tokens", "1", "--backend", "gpu"], "argument --backend: invalid choice"),
+    (["generate", "--prompt-tokens", "1", "--speculative", "8"], "--speculative 8: a verify step of batch 1 x (1 + 8) = 9 rows exceeds"),
+    (["generate", "--prompt-tokens", "1", "--speculative", "2", "--fixed-acceptance-length", "4"],
+     "--fixed-acceptance-length must lie in 1..3"),
+    (["generate", "--prompt-tokens", "1", "--speculative", "2", "--drafter", "MISSING"], "MISSING: drafter directory not found"),
+    (["generate", "--checkpoint", "CKPT", "--prompt-tokens", "1", "--speculative", "2", "--drafter", "DRAFT_VOCAB"],
+     "vocabulary 2048 does not match the target's 512"),
+    (["generate", "--checkpoint", "CKPT", "--prompt-tokens", "1", "--speculative", "2", "--drafter", "DRAFT_AUX"],
+     "aux layers [2, 4, 6] do not exist in the target"),
     # check
     (["check", "--config", "nope"], "unknown config 'nope'"),
     (["check", "--batch", "0"], "argument --batch: must be at least 1, found 0"),

@@ -93,6 +93,23 @@ def test_default_ctx_fits_the_run(capsys, tiny_dir):
     assert json.loads(out)["ctx"] == ref.DEFAULT_CTX
 
 
+def test_speculative_json(capsys, tiny_dir, tmp_path):
+    """--speculative with a drafter written by `mk synth --drafter`: greedy tokens equal plain
+    greedy ones; --json reports acceptance lengths, tokens per step and measured tokens/s (CPU)."""
+    assert main(["synth", "--drafter", "--config", tiny_dir, "--out", str(tmp_path / "d"), "--seed", "3"]) == 0
+    capsys.readouterr()
+    plain = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "6", "--json"))
+    out = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "6", "--json",
+                         "--speculative", "2", "--drafter", str(tmp_path / "d")))
+    assert out["tokens"] == plain["tokens"] and out["device"] == "cpu" and out["tokens_per_s"] > 0
+    lengths = out["acceptance_lengths"][0]
+    assert out["steps"] == len(lengths) and all(1 <= a <= 3 for a in lengths)
+    assert out["mean_acceptance_length"] == pytest.approx(np.mean(lengths))
+    fixed = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "7", "--json",
+                           "--speculative", "2", "--fixed-acceptance-length", "3"))
+    assert fixed["acceptance_lengths"] == [[3, 3]] and fixed["tokens_per_step"] == 3
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-tokens", "1,2,x"], "--prompt-tokens: expected comma-separated integer token ids"),
     (["--prompt-tokens", "1.5"], "--prompt-tokens: expected comma-separated integer token ids"),

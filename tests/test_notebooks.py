@@ -11,8 +11,8 @@ from mk.notebook_runner import NOTEBOOK_DIR, notebooks, run_all, save_figure
 NBS = notebooks()
 
 
-def test_there_are_four_notebooks():
-    assert [p.name[:2] for p in NBS] == ["01", "02", "03", "04"]
+def test_there_are_five_notebooks():
+    assert [p.name[:2] for p in NBS] == ["01", "02", "03", "04", "05"]
 
 
 @pytest.mark.parametrize("path", NBS, ids=lambda p: p.name)

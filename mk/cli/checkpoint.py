@@ -63,6 +63,13 @@ def _synth(args) -> int:
     cfg = resolve_config(args.config, args.override)
     creatable_dir(args.out, "--out")
     t = time.perf_counter()
+    if args.drafter:
+        from mk import drafter
+        dcfg = drafter.config_for(cfg)
+        drafter.write(dcfg, args.out, seed=args.seed)
+        print(f"wrote drafter {args.out} in {time.perf_counter() - t:.1f} s (hidden={dcfg.hidden}, "
+              f"layers={dcfg.layers}, aux layers={list(dcfg.aux_layers)}, vocab={dcfg.vocab})")
+        return 0
     write_checkpoint(cfg, args.out, seed=args.seed, shard_bytes=int(args.shard_mb * (1 << 20)),
                      progress=on_terminal(not args.no_progress))
     n = checkpoint_bytes(args.out)
@@ -284,6 +291,8 @@ def add_parser(subparsers):
                    help="replace K3Config fields, e.g. dim=1024,layers=16 (repeatable)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--drafter", action="store_true",
+                   help="write a random drafter checkpoint for the config (mk.drafter) instead of the model")
     p.add_argument("--shard-mb", type=positive_float, default=256.0, help="maximum shard size in MiB")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)

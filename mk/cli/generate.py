@@ -11,6 +11,12 @@ tokens_per_s, backend, config, and the sampling settings.
 Weights: `mk.params.init(config, seed)` for `--config` (a preset name or a checkpoint directory's
 config), or the tensors of `--checkpoint DIR`. `--backend kernel` runs the megakernel
 (`mk.kernel.make_step_fn`) with the reference's caches; `reference` (default) the pure-JAX step.
+`--speculative K` decodes speculatively on the reference (`mk.speculative`, spec 4.3): K drafts
+per step from `--drafter DIR` (a drafter checkpoint, see `mk synth --drafter`; default: a random
+drafter from `mk.drafter.config_for(config)` and --seed), verified as 1 + K rows of one step;
+`--json` adds acceptance lengths, tokens per step and the measured tokens/s (on this host's
+device, named in `device`). `--fixed-acceptance-length L` forces L - 1 accepted drafts per step
+(speed at a chosen acceptance length; the tokens are then not meaningful).
 Bad input exits 2 with a one-line message.
 """
 from __future__ import annotations
@@ -74,6 +80,21 @@ def _check_options(args):
                             "use --prompt-tokens with random weights")
     if (args.prompt is None) == (args.prompt_tokens is None):
         raise GenerateError("give exactly one of --prompt-tokens IDS or --prompt TEXT")
+    if args.speculative is None:
+        for option, value in (("--drafter", args.drafter), ("--fixed-acceptance-length", args.fixed_acceptance_length)):
+            if value is not None:
+                raise GenerateError(f"{option} needs --speculative K")
+    else:
+        from mk.speculative import check_k
+        check_k(args.speculative, args.batch)
+        if args.backend != "reference":
+            raise GenerateError("--speculative runs on --backend reference (the kernel's verify step is not built yet)")
+        if args.mesh is not None or args.coordinator is not None:
+            raise GenerateError("--speculative runs on one device of one process (no --mesh / --coordinator yet)")
+        L = args.fixed_acceptance_length
+        if L is not None and not 1 <= L <= args.speculative + 1:
+            raise GenerateError(f"--fixed-acceptance-length must lie in 1..{args.speculative + 1} "
+                                f"(1 + --speculative), found {L}")
 
 
 def _model_config(args):
@@ -125,6 +146,8 @@ def run(args) -> int:
     if total > ctx:
         raise GenerateError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
                             f"= {total} exceed --ctx {ctx}")
+    if args.speculative is not None:
+        return _run_speculative(args, cfg, prompt, tokenizer)
     from mk.distributed import is_main_process, mesh_from_args
     mesh = mesh_from_args(args, cfg, args.backend)          # None: one device
     if args.checkpoint is not None:
@@ -178,6 +201,50 @@ def run(args) -> int:
     return 0
 
 
+def _run_speculative(args, cfg, prompt, tokenizer) -> int:
+    import jax
+    import numpy as np
+    from mk import drafter as mkdrafter
+    from mk import speculative
+
+    if args.drafter is not None:                            # validated before the target's weights load
+        dcfg, weights = mkdrafter.load(args.drafter, cfg)
+    else:
+        dcfg = mkdrafter.config_for(cfg)
+        weights = mkdrafter.init(dcfg, args.seed)
+    if args.checkpoint is not None:
+        params = _optional_module("mk.checkpoint", "--checkpoint").load(args.checkpoint, progress=on_terminal(not args.json))
+    else:
+        from mk.params import init
+        params = init(cfg, args.seed)
+    res = speculative.generate(params, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)),
+                               args.max_new_tokens, mkdrafter.DSparkDrafter(dcfg, weights), args.speculative,
+                               temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=args.ctx,
+                               fixed_acceptance=args.fixed_acceptance_length)
+    rows = [[int(t) for t in row] for row in res["tokens"]]
+    texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
+    if args.json:
+        out = {"tokens": rows, "prompt_tokens": prompt, "prefill_s": res["prefill_s"], "decode_s": res["decode_s"],
+               "tokens_per_s": res["tokens_per_s"], "device": jax.devices()[0].platform,
+               "speculative": args.speculative, "drafter": args.drafter,
+               "fixed_acceptance_length": args.fixed_acceptance_length,
+               "acceptance_lengths": res["acceptance"], "mean_acceptance_length": res["mean_acceptance"],
+               "tokens_per_step": res["tokens_per_step"], "steps": res["steps"],
+               "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
+               "batch": args.batch, "ctx": res["ctx"], "max_new_tokens": args.max_new_tokens,
+               "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+        if texts is not None:
+            out["text"] = texts
+        print(json.dumps(out))
+    else:
+        for i, row in enumerate(rows):
+            print(" ".join(map(str, row)))
+            if texts is not None:
+                print(texts[i])
+    sys.stdout.flush()
+    return 0
+
+
 def add_parser(subparsers):
     p = subparsers.add_parser("generate", help="generate tokens (random weights or a checkpoint)",
                               description=__doc__.splitlines()[0])
@@ -196,6 +263,12 @@ def add_parser(subparsers):
                    help="cache capacity, a multiple of 128 (default: >= 256, enough for the run)")
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
     p.add_argument("--json", action="store_true", help="print tokens and timings as one JSON object")
+    p.add_argument("--speculative", type=int, default=None, metavar="K",
+                   help="speculative decoding with K drafts per step (reference backend)")
+    p.add_argument("--drafter", metavar="DIR", default=None,
+                   help="drafter checkpoint for --speculative (default: random drafter weights from --seed)")
+    p.add_argument("--fixed-acceptance-length", type=int, default=None, metavar="L",
+                   help="--speculative: accept L - 1 drafts every step (speed only; tokens not meaningful)")
     add_step_options(p)
     from mk.distributed import add_distributed_args
     add_distributed_args(p, mesh=False)

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention for one decode token (spec 1.4.3).
+"""Kimi Delta Attention for one decode token, or T consecutive tokens of a verify block (spec 1.4.3).
 
 Shapes for a batch of B rows, H heads of D channels (HD = H * D):
     a           [B, d]            bf16   normalized sublayer input
@@ -97,22 +97,45 @@ def heads(state, q, k, v, g, beta, g_o, o_norm, eps: float):
 
 
 def kda(a, w: dict, state, conv_state, cfg: K3Config, reduce=lambda partial: partial):
-    """One KDA layer. w holds this layer's slice of params['kda'] (see mk.params).
+    """One KDA layer for one token per row. w holds this layer's slice of params['kda'] (see mk.params).
 
     `reduce` sums the output projection's fp32 partials over devices on a mesh
     (`mk.reference_sharded.reduce_bf16`, with cfg.heads = this device's heads); identity here.
 
     Returns (y [B, d] bf16, new state, new conv_state).
     """
-    B = a.shape[0]
-    H, D = cfg.heads, cfg.head_dim
+    y, states, conv_states = kda_tokens(a[:, None], w, state, conv_state, cfg, reduce)
+    return y[:, 0], states[:, 0], conv_states[:, 0]
+
+
+def kda_tokens(a, w: dict, state, conv_state, cfg: K3Config, reduce=lambda partial: partial):
+    """One KDA layer over T consecutive tokens per row (a verify block; T = 1 is a decode step).
+
+    a [B, T, d] bf16 -> (y [B, T, d] bf16, states [B, T, H, D, D] f32, conv_states [B, T, 3, C-1, HD]
+    bf16): entry t is the state after token t, so any token's state can be continued from (a
+    rejected draft is rolled back by picking an earlier entry). The projections run on all B * T
+    rows at once; the conv and the delta rule chain token to token in order, each token exactly
+    as a one-token step computes it.
+    """
+    B, T = a.shape[:2]
+    H, D, C = cfg.heads, cfg.head_dim, cfg.conv_size
+    a = a.reshape(B * T, -1)
     f = bf(mm(a, w["f_a"]))
-    g_raw = bf(mm(f, w["f_b"])).reshape(B, H, D)
-    qkv = jnp.stack([bf(mm(a, w[n])) for n in ("q", "k", "v")], axis=1)      # [B, 3, HD]
-    g_o = bf(mm(a, w["g"])).reshape(B, H, D)
-    beta = sigmoid(bf(mm(a, w["b"])))                                         # [B, H]
-    window = jnp.concatenate([conv_state, qkv[:, :, None]], axis=2)           # [B, 3, C, HD]
-    conv = short_conv(window, w["conv"]).reshape(B, 3, H, D)
+    g_raw = bf(mm(f, w["f_b"])).reshape(B, T, H, D)
+    qkv = jnp.stack([bf(mm(a, w[n])) for n in ("q", "k", "v")], axis=1)      # [B*T, 3, HD]
+    qkv = jnp.swapaxes(qkv.reshape(B, T, 3, H * D), 1, 2)                    # [B, 3, T, HD]
+    g_o = bf(mm(a, w["g"])).reshape(B, T, H, D)
+    beta = sigmoid(bf(mm(a, w["b"]))).reshape(B, T, H)
+    window = jnp.concatenate([conv_state, qkv], axis=2)                       # [B, 3, C-1+T, HD]
     g = decay(g_raw, w["a_log"], w["dt_bias"].reshape(H, D), cfg.gate_lower_bound)
-    out, state = heads(state, *(conv[:, j] for j in range(3)), g, beta, g_o, w["o_norm"], cfg.eps)
-    return bf(reduce(mm(out.reshape(B, H * D), w["o"]))), state, window[:, :, 1:]
+    outs, states, conv_states = [], [], []
+    for t in range(T):
+        conv = short_conv(window[:, :, t:t + C], w["conv"]).reshape(B, 3, H, D)
+        out, state = heads(state, *(conv[:, j] for j in range(3)), g[:, t], beta[:, t], g_o[:, t],
+                           w["o_norm"], cfg.eps)
+        outs.append(out)
+        states.append(state)
+        conv_states.append(window[:, :, t + 1:t + C])
+    out = jnp.stack(outs, axis=1).reshape(B * T, H * D)
+    y = bf(reduce(mm(out, w["o"]))).reshape(B, T, -1)
+    return y, jnp.stack(states, axis=1), jnp.stack(conv_states, axis=1)

@@ -84,18 +84,36 @@ def attend(q, k_cache, v_cache, pos, scale: float):
 
 
 def write_cache(cache, new, pos):
-    """cache [B, H, ctx, X] with new [B, H, X] written at slot pos[b] of row b."""
-    return jax.vmap(lambda c, n, t: jax.lax.dynamic_update_slice_in_dim(c, n[:, None], t, axis=1))(
-        cache, new, pos)
+    """cache [B, H, ctx, X] with new [B, H, X] written at slot pos[b] of row b, or new [B, H, T, X]
+    at slots pos[b]..pos[b]+T-1 (the caller keeps pos[b] + T <= ctx)."""
+    if new.ndim == 3:
+        new = new[:, :, None]
+    return jax.vmap(lambda c, n, t: jax.lax.dynamic_update_slice_in_dim(c, n, t, axis=1))(cache, new, pos)
 
 
 def mla(a, w: dict, k_cache, v_cache, pos, cfg: K3Config, reduce=lambda partial: partial):
-    """One MLA layer. Returns (y [B, d] bf16, new k_cache, new v_cache). `reduce`: as in
-    `mk.layers.kda.kda` (the output projection's partials over devices on a mesh)."""
-    B = a.shape[0]
-    q, k, v = project_qkv(a, w, cfg)
-    k_cache, v_cache = write_cache(k_cache, k, pos), write_cache(v_cache, v, pos)
-    o = attend(q, k_cache, v_cache, pos, cfg.mla_scale)
-    gate = bf(sigmoid(bf(mm(a, w["g"])))).reshape(o.shape)
-    out = bf(f32(bf(o)) * f32(gate)).reshape(B, -1)
-    return bf(reduce(mm(out, w["o"]))), k_cache, v_cache
+    """One MLA layer for one token per row. Returns (y [B, d] bf16, new k_cache, new v_cache).
+    `reduce`: as in `mk.layers.kda.kda` (the output projection's partials over devices on a mesh)."""
+    y, k_cache, v_cache = mla_tokens(a[:, None], w, k_cache, v_cache, pos, cfg, reduce)
+    return y[:, 0], k_cache, v_cache
+
+
+def mla_tokens(a, w: dict, k_cache, v_cache, pos, cfg: K3Config, reduce=lambda partial: partial):
+    """One MLA layer over T consecutive tokens per row at positions pos[b]..pos[b]+T-1 (a verify
+    block; T = 1 is a decode step). a [B, T, d] bf16 -> (y [B, T, d] bf16, k_cache, v_cache).
+
+    All T keys and values are written first; token t attends to slots 0..pos[b]+t (causal within
+    the block), each (token, head) exactly as a one-token step computes it. Slots of rejected
+    drafts stay written but lie past the next step's position, so they are masked until the
+    next block overwrites them.
+    """
+    B, T = a.shape[:2]
+    q, k, v = project_qkv(a.reshape(B * T, -1), w, cfg)
+    to_block = lambda x: jnp.swapaxes(x.reshape(B, T, *x.shape[1:]), 1, 2)   # [B, H, T, X]
+    k_cache, v_cache = write_cache(k_cache, to_block(k), pos), write_cache(v_cache, to_block(v), pos)
+    token_pos = (pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]).reshape(B * T)
+    rows = lambda c: c if T == 1 else jnp.repeat(c, T, axis=0)               # each token's row cache
+    o = attend(q, rows(k_cache), rows(v_cache), token_pos, cfg.mla_scale)
+    gate = bf(sigmoid(bf(mm(a.reshape(B * T, -1), w["g"])))).reshape(o.shape)
+    out = bf(f32(bf(o)) * f32(gate)).reshape(B * T, -1)
+    return bf(reduce(mm(out, w["o"]))).reshape(B, T, -1), k_cache, v_cache
