@@ -41,6 +41,9 @@ def add_parser(sub):
     p.add_argument("--layers", type=positive_int, default=None, help="override the config's layer count")
     p.add_argument("--reference", action="store_true", help="compile the XLA reference instead")
     p.add_argument("--force", action="store_true", help="compile even if the plan refuses (VMEM)")
+    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
+                   help="routed experts' storage: packed MXFP4 (the checkpoint's format, dequantized in "
+                        "VMEM) or bf16 tiles")
     p.add_argument("--json", action="store_true")
     add_step_options(p)
     p.set_defaults(func=run_aot)
@@ -159,8 +162,11 @@ def run_aot(args) -> int:
             kw["num_slots"] = args.num_slots
         if args.tile:
             kw["tile"] = _tile(args.tile)
-        plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh), **kw)
-        out.update(program="megakernel", collectives_per_step=plan.collectives_per_step,
+        plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh),
+                         experts=args.experts, **kw)
+        out.update(program="megakernel", experts=plan.experts, expert_bytes=plan.expert_bytes,
+                   routed_expert_bytes_per_step=plan.routed_expert_bytes_per_step(),
+                   collectives_per_step=plan.collectives_per_step,
                    remote_bytes_per_step=plan.remote_bytes_per_step,
                    pallas_calls_per_step=1, vmem_planned_bytes=plan.vmem_planned_bytes,
                    vmem_limit_bytes=plan.vmem_limit, prefetch_depth=plan.prefetch_depth,
