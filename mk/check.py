@@ -222,7 +222,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         tokens = jnp.asarray(prompt[:, nxt]) if nxt < prompt.shape[1] else jnp.asarray(r_logits.argmax(-1), jnp.int32)
     elapsed = time.perf_counter() - t0
     res = {
-        "config": plan.config_name(), "experts": plan.experts, "batch": batch, "steps": steps, "prefetch_depth": plan.prefetch_depth,
+        "config": plan.config_name(), "experts": experts, "batch": batch, "steps": steps, "prefetch_depth": plan.prefetch_depth,
         "num_slots": plan.num_slots, "max_abs_logit_err": worst, "logit_scale": float(np.mean(scale)),
         "greedy_match": greedy, "greedy_flips": flips, "cache_max_abs_err": cache_err,
         "cache_max_abs_err_by_array": cache_by_array, "cache_max_bf16_ulps_by_array": cache_ulps,
