@@ -50,15 +50,20 @@ def e2m1_to_bf16(code, scale):
 
 def dequantize_tile(codes, scales, out, m: Matrix):
     """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
-    layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref, one 32-row group at a time."""
-    block = m.tile_k // CODES_PER_WORD                 # rows per code position of a word
-    scale_block = m.tile_k // (MX_GROUP * SCALES_PER_WORD)
-    for g in range(m.tile_k // MX_GROUP):
-        j, i = divmod(g * MX_GROUP, block)             # code j of word rows i .. i + 31
-        js, is_ = divmod(g, scale_block)               # scale byte js of word row is_
-        code = jax.lax.shift_right_logical(codes[i:i + MX_GROUP, :], 4 * j) & 15
-        scale = jax.lax.shift_right_logical(scales[is_:is_ + 1, :], 8 * js) & 255
-        out[g * MX_GROUP:(g + 1) * MX_GROUP, :] = e2m1_to_bf16(code, scale)
+    layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref.
+
+    Whole-tile vector ops (few primitives: interpret mode runs each one separately): code j of
+    every word is row block j, scale byte j of every word is row-group block j; each group's
+    scale row is broadcast over its 32 rows."""
+    tk, tn = m.tile_k, m.tile_n
+    words = codes[...]
+    code = jnp.concatenate([jax.lax.shift_right_logical(words, 4 * j) & 15 for j in range(CODES_PER_WORD)],
+                           axis=0)                                                  # [tk, tn]
+    s_words = scales[...]
+    group = jnp.concatenate([jax.lax.shift_right_logical(s_words, 8 * j) & 255 for j in range(SCALES_PER_WORD)],
+                            axis=0)                                                 # [tk / 32, tn]
+    scale = jnp.broadcast_to(group[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
+    out[...] = e2m1_to_bf16(code, scale)
 
 
 class WeightRing:
