@@ -19,7 +19,13 @@ makes sure tiles c .. c + prefetch_depth have been issued (slot = issue count mo
 projections arrive while this layer's MoE computes. Depth 0 fetches each tile only when its
 consumer starts: the no-overlap baseline of a conventional one-kernel-per-layer program.
 
-Routed experts join the same ring: a MoE layer's stream is
+Each matrix has a storage format (`Matrix.format`, `Matrix.tile_bytes`): bf16, or for routed
+experts (`make_plan(..., experts="mxfp4")`) the checkpoint's MXFP4: E2M1 codes and E8M0 scales,
+4.25 bits per weight, which land in their own slot pool (code and scale slots with their own
+semaphores, `Plan.buffers`) and are dequantized in VMEM right before their matmul. Sublayers find
+their matrices and the fused parts by name (`LayerStream.matrix`, `Matrix.part`).
+
+Routed experts join the same stream: a MoE layer's stream is
     [router | latent_down+shared | shared_down] [expert tiles: each distinct chosen expert, ascending id] [latent_up]
 The expert segment's length is known only once the router has run, so the issue cursor waits at
 its start until routing is done (the kernel keeps the shared-expert tiles before it, so the ring
