@@ -64,14 +64,23 @@ def kernel_abstract_inputs(plan: Plan, mesh):
     weights = {
         "embed": sds((cfg.vocab, cfg.dim), jnp.bfloat16, ALL),
         "tiles": sds((N * plan.dense_tiles, plan.tile_k, plan.tile_n), jnp.bfloat16, ALL),
-        "experts": sds((N * cfg.n_moe, plan.local_experts, plan.expert_tiles, plan.tile_k, plan.tile_n),
-                       jnp.bfloat16, ALL),
+        **expert_structs(plan, sds, ALL),
         "vectors": sds((N * (cfg.layers + 1), _n_vector_rows(cfg), plan.vector_width), jnp.float32, ALL),
     }
     cache = {k: _struct(v, shard(*CACHE_SPECS[k]))
              for k, v in jax.eval_shape(lambda: init_cache(cfg, plan.batch, plan.ctx)).items()}
     tokens = sds((plan.batch,), jnp.int32)
     return weights, cache, tokens
+
+
+def expert_structs(plan: Plan, sds, spec) -> dict:
+    """The routed experts' abstract HBM arrays in `plan.experts` format (mk.plan.pack_weights)."""
+    N, lead = plan.devices, (plan.devices * plan.config.n_moe, plan.local_experts, plan.expert_tiles)
+    if plan.experts == "mxfp4":
+        m = plan.expert_gu
+        return {"expert_codes": sds(lead + (m.code_rows, plan.tile_n), jnp.int32, spec),
+                "expert_scales": sds(lead + (m.scale_rows, plan.tile_n), jnp.int32, spec)}
+    return {"experts": sds(lead + (plan.tile_k, plan.tile_n), jnp.bfloat16, spec)}
 
 
 def _n_vector_rows(cfg):

@@ -122,19 +122,33 @@ def bf16_scale_ulp(x) -> float:
 
 def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | None = None, *,
           seed: int = 0, ctx: int = 256, detect_races: bool = True, dma_execution_mode: str = "on_wait",
-          params=None, prompt_len: int = 3, progress: bool = False, mesh: int = 1) -> dict:
+          params=None, prompt_len: int = 3, progress: bool = False, mesh: int = 1,
+          experts: str | None = None) -> dict:
     """mesh > 1: the sharded kernel on `mesh` devices against the sharded reference
-    (`mk.reference_sharded`) on the same mesh, which rounds its partial sums the same way."""
+    (`mk.reference_sharded`) on the same mesh, which rounds its partial sums the same way.
+
+    experts: the kernel's routed-expert format. "mxfp4": packed E2M1 + E8M0 (params from
+    `mk.checkpoint.load(..., experts="mxfp4")`, or `mk.params.init` quantized as `mk synth` writes
+    it); the reference runs on their dequantization (`mk.checkpoint.dequantize_experts`), the
+    oracle. "bf16": bf16 expert tiles. Default: the format `params` holds (bf16 for init params)."""
     from mk import params as params_mod
     from mk import reference
     from mk.kernel import interpret_params, make_step_fn, on_tpu
     from jax.experimental.pallas import tpu as pltpu
 
+    from mk.checkpoint import dequantize_experts
+    from mk.kernel import experts_format
+
     params = params if params is not None else params_mod.init(cfg, seed)
+    experts = experts or experts_format(params)
+    if experts == "mxfp4" and experts_format(params) == "bf16":
+        from mk.synth import mxfp4_params
+        params = mxfp4_params(cfg, seed, params)[0]
     interp = None if on_tpu() else interpret_params(detect_races, dma_execution_mode)
-    kw = {} if prefetch_depth is None else {"prefetch_depth": prefetch_depth}
+    kw = {"experts": experts} if prefetch_depth is None else {"prefetch_depth": prefetch_depth, "experts": experts}
     step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, mesh=mesh, **kw)
     plan = step_fn.plan
+    params = dequantize_experts(params)          # the reference's weights: bf16 (the oracle)
     if mesh > 1:
         from mk import reference_sharded as rs
         ref_params = rs.shard_params(params, step_fn.mesh)
@@ -208,7 +222,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         tokens = jnp.asarray(prompt[:, nxt]) if nxt < prompt.shape[1] else jnp.asarray(r_logits.argmax(-1), jnp.int32)
     elapsed = time.perf_counter() - t0
     res = {
-        "config": plan.config_name(), "batch": batch, "steps": steps, "prefetch_depth": plan.prefetch_depth,
+        "config": plan.config_name(), "experts": experts, "batch": batch, "steps": steps, "prefetch_depth": plan.prefetch_depth,
         "num_slots": plan.num_slots, "max_abs_logit_err": worst, "logit_scale": float(np.mean(scale)),
         "greedy_match": greedy, "greedy_flips": flips, "cache_max_abs_err": cache_err,
         "cache_max_abs_err_by_array": cache_by_array, "cache_max_bf16_ulps_by_array": cache_ulps,

@@ -286,6 +286,20 @@ def dequantize_mxfp4(packed, scale, *, transpose: bool = True) -> np.ndarray:
     return np.swapaxes(out, -1, -2).copy() if transpose else out
 
 
+def dequantize_experts(params: dict) -> dict:
+    """`params` with packed MXFP4 experts (moe.w1/w3/w2 = {"packed", "scale"}) replaced by their
+    bf16 dequantization (what `load(..., experts="bf16")` returns); other trees unchanged."""
+    moe = params.get("moe", {})
+    if not any(isinstance(moe.get(w), dict) for w in ("w1", "w3", "w2")):
+        return params
+    import jax.numpy as jnp
+    out = dict(params, moe=dict(moe))
+    for w in ("w1", "w3", "w2"):
+        if isinstance(moe[w], dict):
+            out["moe"][w] = jnp.asarray(dequantize_mxfp4(moe[w]["packed"], moe[w]["scale"]))
+    return out
+
+
 def _dequant_rows(packed2: np.ndarray, scale2: np.ndarray) -> np.ndarray:
     """[R, K/2] u8 + [R, K/32] u8 -> [R, K] bf16, via one table lookup per packed byte."""
     idx = np.repeat(scale2.astype(np.uint16) << 8, MX_GROUP // 2, axis=1)

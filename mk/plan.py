@@ -19,7 +19,13 @@ makes sure tiles c .. c + prefetch_depth have been issued (slot = issue count mo
 projections arrive while this layer's MoE computes. Depth 0 fetches each tile only when its
 consumer starts: the no-overlap baseline of a conventional one-kernel-per-layer program.
 
-Routed experts join the same ring: a MoE layer's stream is
+Each matrix has a storage format (`Matrix.format`, `Matrix.tile_bytes`): bf16, or for routed
+experts (`make_plan(..., experts="mxfp4")`) the checkpoint's MXFP4: E2M1 codes and E8M0 scales,
+4.25 bits per weight, which land in their own slot pool (code and scale slots with their own
+semaphores, `Plan.buffers`) and are dequantized in VMEM right before their matmul. Sublayers find
+their matrices and the fused parts by name (`LayerStream.matrix`, `Matrix.part`).
+
+Routed experts join the same stream: a MoE layer's stream is
     [router | latent_down+shared | shared_down] [expert tiles: each distinct chosen expert, ascending id] [latent_up]
 The expert segment's length is known only once the router has run, so the issue cursor waits at
 its start until routing is done (the kernel keeps the shared-expert tiles before it, so the ring
@@ -41,6 +47,17 @@ from mk.errors import UserError
 
 MiB = 1 << 20
 BF16_BYTES = 2
+# Storage formats of a streamed matrix's tiles. "bf16": [tile_k, tile_n] bf16. "mxfp4" (routed
+# experts, spec 2.3): E2M1 codes, 8 per int32 word, and E8M0 scale bytes, 4 per int32 word, one per
+# 32 rows (K) of a column: 4.25 bits per weight (see `MXFP4_TILE` and `pack_mxfp4_tiles`).
+FORMATS = ("bf16", "mxfp4")
+MX_GROUP = 32            # MXFP4: one E8M0 scale per 32 consecutive contraction rows
+CODES_PER_WORD = 8       # E2M1 codes per int32 word
+SCALES_PER_WORD = 4      # E8M0 bytes per int32 word
+# E8M0 bytes whose products with every E2M1 magnitude (0.5 .. 6) are normal, finite bf16 values, so
+# the kernel's integer dequantization (exponent arithmetic, no rounding) is exact; 2^(e - 127) for
+# e = 1 makes 0.5 * 2^-126 subnormal, e >= 253 makes 4 * 2^126 overflow.
+KERNEL_SCALE_RANGE = (2, 252)
 
 
 class PlanError(UserError, ValueError):
@@ -104,24 +121,60 @@ class Buffer:
 class Part:
     """One checkpoint matrix placed into a (possibly fused) streamed matrix.
 
-    `source` is the params path (family, key); columns land at `offset` (a multiple of 128).
-    `head_pad`: (heads, src width, dst width) when each head's columns are padded (MLA q_b).
+    `source` is the params path (family, key); its `name` is the key ('q', 'w1', 'latent_down').
+    Columns land at `offset` (a multiple of 128). `head_pad`: (heads, src width, dst width) when
+    each head's columns are padded (MLA q_b).
     """
     source: tuple[str, str]
     offset: int
     width: int
     head_pad: tuple[int, int, int] | None = None
 
+    @property
+    def name(self) -> str:
+        return self.source[1] or self.source[0]
+
+    def cols(self, y):
+        """This part's columns of a [rows, n] matmul result."""
+        return y[:, self.offset:self.offset + self.width]
+
 
 @dataclasses.dataclass(frozen=True)
 class Matrix:
-    """A weight matrix as the kernel streams it: [k, n] (zero-padded) in [tile_k, tile_n] tiles."""
+    """A weight matrix as the kernel streams it: [k, n] (zero-padded) in [tile_k, tile_n] tiles,
+    stored in `format` ("bf16" or "mxfp4", see FORMATS)."""
     name: str
     k: int                   # contraction rows actually used
     n: int                   # output columns (fused, lane-padded)
     parts: tuple[Part, ...]
     tile_k: int
     tile_n: int
+    format: str = "bf16"
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise PlanError(f"matrix {self.name}: unknown format {self.format!r}, expected one of {FORMATS}")
+
+    @property
+    def code_rows(self) -> int:
+        """mxfp4: int32 rows of one tile's codes, [tile_k / 8, tile_n]."""
+        return self.tile_k // CODES_PER_WORD
+
+    @property
+    def scale_rows(self) -> int:
+        """mxfp4: int32 rows of one tile's scales, [tile_k / 128, tile_n]."""
+        return self.tile_k // (MX_GROUP * SCALES_PER_WORD)
+
+    @property
+    def tile_bytes(self) -> int:
+        """HBM bytes of one tile as stored (and DMA'd): bf16 2 per weight, mxfp4 17/32."""
+        if self.format == "mxfp4":
+            return (self.code_rows + self.scale_rows) * self.tile_n * 4
+        return self.tile_k * self.tile_n * BF16_BYTES
+
+    @property
+    def bytes(self) -> int:
+        return self.tiles * self.tile_bytes
 
     @property
     def k_tiles(self) -> int:
@@ -143,11 +196,12 @@ class Matrix:
     def n_pad(self) -> int:
         return self.n_tiles * self.tile_n
 
-    def part(self, key: str) -> Part:
+    def part(self, name: str) -> Part:
+        """The part called `name` (its source key, e.g. 'b' of kda.in, 'w3' of expert.gu)."""
         for p in self.parts:
-            if p.source[1] == key:
+            if p.name == name:
                 return p
-        raise KeyError(key)
+        raise KeyError(f"matrix {self.name} has no part {name!r} (parts: {[p.name for p in self.parts]})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +427,22 @@ class Plan:
 
     @property
     def tile_bytes(self) -> int:
+        """Bytes of one tile of the bf16 ring (every matrix but mxfp4 experts)."""
         return self.tile_k * self.tile_n * BF16_BYTES
+
+    @property
+    def experts(self) -> str:
+        """Storage format of the routed experts ("bf16" or "mxfp4")."""
+        return self.expert_gu.format
+
+    @property
+    def expert_bytes(self) -> int:
+        """HBM bytes of one routed expert's share on this device, as stored (tile-padded)."""
+        return self.expert_gu.bytes + self.expert_down.bytes
+
+    def routed_expert_bytes_per_step(self, distinct_experts=None) -> int:
+        """Routed-expert bytes one device streams per step (`schedule`'s expert DMAs)."""
+        return sum(d.bytes for d in self.schedule(distinct_experts)[0] if d.tensor.startswith("expert["))
 
     @property
     def dense_tiles(self) -> int:
@@ -487,6 +556,15 @@ class Plan:
             VM("route_coef", (R, E_pad), F32),                               # routing weight, 0 = not chosen
             VM("routed_acc", (R, self.latent_padded), F32),                  # [R, N * latent_block]
         ]
+        if self.experts == "mxfp4":   # routed experts' own slots: packed tiles, dequantized in VMEM
+            m, S = self.expert_gu, self.num_slots
+            b += [
+                VM("code_slots", (S, m.code_rows, self.tile_n), I32),        # [S, TK/8, TN] E2M1 x 8
+                VM("scale_slots", (S, m.scale_rows, self.tile_n), I32),      # [S, TK/128, TN] E8M0 x 4
+                DMA("code_sems", (S,)),
+                DMA("scale_sems", (S,)),
+                VM("dequant", (self.tile_k, self.tile_n), BF16),             # the tile, bf16 [TK, TN]
+            ]
         if N > 1:   # collectives (mk.kernel.collectives): double-buffered by parity, one landing slot per rank
             b += [
                 VM("landing", (2, N, R, W), BF16),                           # [parity, source, row, lane]
@@ -540,13 +618,16 @@ class Plan:
             phases.append(Phase(len(phases), layer, name, kind, rows=R, **kw))
             return phases[-1].index
 
+        issued = {f: 0 for f in FORMATS}           # tiles issued into each format's slot pool
+
         def matmul(layer, m: Matrix, tensor=None, expert_bytes=0):
             idx = len(phases)
             ids = []
             for t in range(m.tiles):
                 ids.append(len(dmas))
-                dmas.append(WeightDMA(len(dmas), layer, tensor or m.name, t, self.tile_bytes,
-                                      len(dmas) % self.num_slots, idx))
+                dmas.append(WeightDMA(len(dmas), layer, tensor or m.name, t, m.tile_bytes,
+                                      self.slot_id(m.format, issued[m.format]), idx))
+                issued[m.format] += 1
             phase(layer, tensor or m.name, "mxu", flops=2 * R * m.k_pad * m.n_pad, dmas=tuple(ids),
                   expert_dmas=expert_bytes)
 
@@ -556,50 +637,56 @@ class Plan:
             x = self.collectives[name]
             phase(layer, name, "collective", collective_bytes=x.remote_bytes, collective_phases=1)
 
+        def attention(layer, kind):
+            if kind == "kda":
+                state = self.batch * H * D * D * 4
+                phase(layer, "kda_recurrence", "vector", vector_bytes=6 * state, hbm_bytes=2 * state)
+            else:
+                cache = self.batch * H * self.ctx * (c.k_cache_dim + D) * 2
+                phase(layer, "mla_attention", "vector", vector_bytes=2 * cache, hbm_bytes=cache)
+
+        # What follows a matrix of the stream (by name): the phases between it and the next one.
+        after = {"moe.router": lambda l: phase(l, "routing", "vector",
+                                               vector_bytes=c.top_k * R * round_up(c.experts, 128) * 4)}
+        if self.devices > 1:
+            after.update({"kda.o": lambda l: collective(l, "attn_out"), "mla.o": lambda l: collective(l, "attn_out"),
+                          "moe.in": lambda l: collective(l, "moe_latent"),
+                          "dense.down": lambda l: collective(l, "dense_out"),
+                          "moe.latent_up": lambda l: collective(l, "moe_out")})
         if self.devices > 1:
             collective(0, "embed")
         for s in self.streams:
             l = s.layer
             if s.kind == "head":
                 phase(l, "final_mix", "vector", vector_bytes=(c.n_blocks + 2) * R * c.dim * 4)
-                for m in s.pre:
-                    matmul(l, m)
+                matmul(l, s.matrix("lm_head"))
                 continue
             phase(l, "attn_mix", "vector", vector_bytes=(c.n_attn_blocks(l) + 2) * R * c.dim * 4)
-            attn = s.pre[:self._attn_count(s)]
-            for m in attn[:-1]:
+            channel_mixer = False
+            for m in s.pre:
+                family = m.name.split(".")[0]
+                if m.name in ("kda.o", "mla.o"):                       # output projection: after the mixer
+                    attention(l, family)
+                if family in ("dense", "moe") and not channel_mixer:  # the channel mixer's first matrix
+                    channel_mixer = True
+                    phase(l, "mlp_mix", "vector", vector_bytes=(c.n_mlp_blocks(l) + 2) * R * c.dim * 4)
                 matmul(l, m)
-            if s.kind.startswith("kda"):
-                state = self.batch * H * D * D * 4
-                phase(l, "kda_recurrence", "vector", vector_bytes=6 * state, hbm_bytes=2 * state)
-            else:
-                cache = self.batch * H * self.ctx * (c.k_cache_dim + D) * 2
-                phase(l, "mla_attention", "vector", vector_bytes=2 * cache, hbm_bytes=cache)
-            matmul(l, attn[-1])                                         # output projection
-            if self.devices > 1:
-                collective(l, "attn_out")
-            phase(l, "mlp_mix", "vector", vector_bytes=(c.n_mlp_blocks(l) + 2) * R * c.dim * 4)
-            rest = s.pre[self._attn_count(s):]
-            for m in rest:
-                matmul(l, m)
-                if m.name == "moe.router":
-                    phase(l, "routing", "vector", vector_bytes=c.top_k * R * round_up(c.experts, 128) * 4)
-                if self.devices > 1 and m.name == "moe.in":
-                    collective(l, "moe_latent")
-                if self.devices > 1 and m.name == "dense.down":
-                    collective(l, "dense_out")
+                after.get(m.name, lambda l: None)(l)
             if s.has_experts:
-                n_e = distinct_experts[l - 1]
-                for e in range(n_e):
-                    matmul(l, self.expert_gu, f"expert[{e}].gu", self.expert_gu.tiles * self.tile_bytes)
-                    matmul(l, self.expert_down, f"expert[{e}].down", self.expert_down.tiles * self.tile_bytes)
+                for e in range(distinct_experts[l - 1]):
+                    matmul(l, self.expert_gu, f"expert[{e}].gu", self.expert_gu.bytes)
+                    matmul(l, self.expert_down, f"expert[{e}].down", self.expert_down.bytes)
                 if self.devices > 1:
                     collective(l, "moe_routed")
             for m in s.post:
                 matmul(l, m)
-            if self.devices > 1 and s.has_experts:
-                collective(l, "moe_out")
+                after.get(m.name, lambda l: None)(l)
         return dmas, phases
+
+    def slot_id(self, fmt: str, n: int) -> int:
+        """Slot of the n-th tile (0-based) issued into `fmt`'s slot pool; the pools are numbered
+        one after another: bf16 slots 0 .. S-1, then the mxfp4 code|scale slots S .. 2S-1."""
+        return FORMATS.index(fmt) * self.num_slots + n % self.num_slots
 
     @cached_property
     def dmas(self) -> list[WeightDMA]:
@@ -608,10 +695,6 @@ class Plan:
     @cached_property
     def phases(self) -> list[Phase]:
         return self.schedule()[1]
-
-    def _attn_count(self, s: LayerStream) -> int:
-        """How many of `s.pre` are attention matrices (the rest belong to the channel mixer)."""
-        return sum(1 for m in s.pre if m.name.startswith(("kda.", "mla.")))
 
     def weight_bytes_per_step(self, distinct_experts=None) -> int:
         dmas, _ = self.schedule(distinct_experts)
@@ -626,6 +709,8 @@ class Plan:
             "devices": self.devices, "ep": self.layout.ep, "tp_expert": self.layout.tp_expert,
             "collectives_per_step": self.collectives_per_step,
             "remote_bytes_per_step": self.remote_bytes_per_step,
+            "experts": self.experts, "expert_bytes": self.expert_bytes,
+            "routed_expert_bytes_per_step": self.routed_expert_bytes_per_step(),
         }
 
 
@@ -650,8 +735,11 @@ DEFAULT_PREFETCH_DEPTH = 4
 def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
               num_slots: int | None = None, tile: int | tuple[int, int] | None = None,
               vmem_limit: int | None = None, chip: str = "tpu7x", ctx: int = 256,
-              layout: Layout = Layout(), check: bool = True) -> Plan:
-    """Compute the plan; raises PlanError for bad parameters or (if `check`) a VMEM overflow."""
+              layout: Layout = Layout(), check: bool = True, experts: str = "bf16") -> Plan:
+    """Compute the plan; raises PlanError for bad parameters or (if `check`) a VMEM overflow.
+
+    experts: storage format of the routed experts, "bf16" or "mxfp4" (packed E2M1 codes + E8M0
+    scales in HBM, dequantized in VMEM; the checkpoint's own format). Every other matrix is bf16."""
     if not 1 <= batch <= 8:
         raise PlanError(f"batch must be in 1..8, found {batch}")
     if prefetch_depth < 0:
@@ -674,6 +762,10 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
         from mk.sharding import check_layout
         check_layout(cfg, layout)
     vmem_limit = vmem_limit or min(DEFAULT_VMEM_LIMIT, VMEM_BYTES[chip])
+    if experts not in FORMATS:
+        raise PlanError(f"experts must be one of {FORMATS}, found {experts!r}")
+    if experts == "mxfp4":
+        _check_mxfp4(cfg, tk, layout)
 
     streams = []
     base = 0
@@ -684,8 +776,8 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
         streams.append(s)
     fe = cfg.expert_hidden // layout.tp_expert
     lp = layout.devices * round_up(cfg.latent // layout.devices, 128)     # the gathered latent width
-    gu = _matrix("expert.gu", lp, [(("moe", "w1"), fe), (("moe", "w3"), fe)], tk, tn)
-    down = _matrix("expert.down", fe, [(("moe", "w2"), lp)], tk, tn)
+    gu = _matrix("expert.gu", lp, [(("moe", "w1"), fe), (("moe", "w3"), fe)], tk, tn, fmt=experts)
+    down = _matrix("expert.down", fe, [(("moe", "w2"), lp)], tk, tn, fmt=experts)
     plan = Plan(cfg, batch, prefetch_depth, num_slots, tk, tn, vmem_limit, chip, ctx, layout,
                 tuple(streams), gu, down)
     if check:
@@ -693,13 +785,25 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
     return plan
 
 
-def _matrix(name, k, parts, tk, tn, head_pads=None) -> Matrix:
+def _matrix(name, k, parts, tk, tn, head_pads=None, fmt="bf16") -> Matrix:
     placed, off = [], 0
     for i, (src, width) in enumerate(parts):
         hp = head_pads.get(src) if head_pads else None
         placed.append(Part(src, off, width, hp))
         off += round_up(width, 128)
-    return Matrix(name, k, off, tuple(placed), tk, tn)
+    return Matrix(name, k, off, tuple(placed), tk, tn, fmt)
+
+
+def _check_mxfp4(cfg: K3Config, tk: int, lay: Layout):
+    """MXFP4 expert tiles must hold whole 32-row scale groups, in the kernel's word layout."""
+    if tk % (MX_GROUP * CODES_PER_WORD):
+        raise PlanError(f"MXFP4 experts need tile_k to be a multiple of {MX_GROUP * CODES_PER_WORD} "
+                        f"(8 code blocks of whole 32-row scale groups), found {tk}")
+    for what, width in (("latent / devices", cfg.latent // lay.devices),
+                        ("expert_hidden / tp_expert", cfg.expert_hidden // lay.tp_expert)):
+        if width % MX_GROUP:
+            raise PlanError(f"MXFP4 experts: {what} = {width} is not a multiple of the scale group "
+                            f"{MX_GROUP} (a group would straddle two devices' shares)")
 
 
 def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
@@ -789,8 +893,14 @@ def to_latent_blocks(x: np.ndarray, plan: Plan, axis: int) -> np.ndarray:
 def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
     """Lay rank `rank`'s share of the parameters out for the kernel. Returns numpy arrays:
         tiles    [dense_tiles, tile_k, tile_n]                  bf16  every dense tile in stream order
-        experts  [n_moe, E_local, expert_tiles, tile_k, tile_n] bf16  each local expert's [w1|w3], w2 tiles
         vectors  [L + 1, rows, width]                           f32   per-layer vector table (+ globals)
+    and the routed experts, each local expert's [w1|w3] then w2 tiles, in `plan.experts` format:
+        experts        [n_moe, E_local, expert_tiles, tile_k, tile_n]       bf16   ("bf16")
+        expert_codes   [n_moe, E_local, expert_tiles, tile_k / 8, tile_n]   int32  ("mxfp4": E2M1 codes,
+        expert_scales  [n_moe, E_local, expert_tiles, tile_k / 128, tile_n] int32   E8M0 scales; see
+                                                                                   `pack_mxfp4_tiles`)
+    MXFP4 experts come from `mk.checkpoint.load(..., experts="mxfp4")`'s tree and stay packed; bf16
+    experts may come from either tree (MXFP4 ones are dequantized).
     `params` is the whole model (mk.params layout); `mk.sharding.local_params` cuts the share.
     """
     import ml_dtypes
@@ -809,22 +919,139 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
     tiles = np.concatenate(tiles).astype(ml_dtypes.bfloat16)
     assert tiles.shape[0] == plan.dense_tiles
 
+    out = {"tiles": tiles, "vectors": pack_vectors(plan, params)}
+    if plan.experts == "mxfp4":
+        out.update(_pack_mxfp4_experts(plan, params))
+    else:
+        out["experts"] = _pack_bf16_experts(plan, params)
+    return out
+
+
+def _expert_family(params: dict, key: str):
+    """params["moe"][key] as bf16-valued [n_moe, E, K, N] (an MXFP4 leaf is dequantized)."""
+    w = params["moe"][key]
+    if isinstance(w, dict):
+        from mk.checkpoint import dequantize_mxfp4
+        return dequantize_mxfp4(w["packed"], w["scale"])
+    return w
+
+
+def _pack_bf16_experts(plan: Plan, params: dict) -> np.ndarray:
+    import ml_dtypes
+    cfg = plan.config
     E = plan.local_experts
     experts = np.zeros((cfg.n_moe, E, plan.expert_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
     gu, dn = plan.expert_gu, plan.expert_down
     fe = cfg.expert_hidden // plan.layout.tp_expert
+    w1f, w3f, w2f = (_expert_family(params, k) for k in ("w1", "w3", "w2"))
     for i in range(cfg.n_moe):
-        w1, w3 = (to_latent_blocks(params["moe"][k][i], plan, axis=1) for k in ("w1", "w3"))  # [E, Lp, fe]
-        w2 = to_latent_blocks(params["moe"]["w2"][i], plan, axis=2)                          # [E, fe, Lp]
+        w1, w3 = (to_latent_blocks(f[i], plan, axis=1) for f in (w1f, w3f))     # [E, Lp, fe]
+        w2 = to_latent_blocks(w2f[i], plan, axis=2)                               # [E, fe, Lp]
         for e in range(E):
             a = np.zeros((gu.k_pad, gu.n_pad), np.float32)
-            a[:w1.shape[1], gu.parts[0].offset:gu.parts[0].offset + fe] = w1[e]
-            a[:w3.shape[1], gu.parts[1].offset:gu.parts[1].offset + fe] = w3[e]
+            a[:w1.shape[1], gu.part("w1").offset:gu.part("w1").offset + fe] = w1[e]
+            a[:w3.shape[1], gu.part("w3").offset:gu.part("w3").offset + fe] = w3[e]
             b = np.zeros((dn.k_pad, dn.n_pad), np.float32)
             b[:fe, :w2.shape[2]] = w2[e]
             experts[i, e] = np.concatenate([tile_matrix(a, plan.tile_k, plan.tile_n),
                                             tile_matrix(b, plan.tile_k, plan.tile_n)]).astype(ml_dtypes.bfloat16)
-    return {"tiles": tiles, "experts": experts, "vectors": pack_vectors(plan, params)}
+    return experts
+
+
+# ---- MXFP4 expert tiles -------------------------------------------------------------------------
+# One [tile_k, tile_n] tile of an mxfp4 matrix (kernel orientation: rows = K, the contraction) is
+#     codes  int32 [tile_k / 8, tile_n]:   bits 4j..4j+3 of word [i, n] = E2M1 code of row j * tile_k / 8 + i
+#     scales int32 [tile_k / 128, tile_n]: bits 8j..8j+7 of word [i, n] = E8M0 byte of row group j * tile_k / 128 + i
+# (row group g = rows 32g .. 32g + 31). Code j of a word and scale byte j cover contiguous row
+# blocks, so the kernel unpacks a block with one shift and mask (no interleave); padding is code 0
+# (+0.0) with scale byte 127. The bits are the checkpoint's own; only their positions change.
+MXFP4_PAD_SCALE = 127
+
+
+def mxfp4_codes_kn(packed: np.ndarray) -> np.ndarray:
+    """Checkpoint packed bytes u8 [..., N, K/2] (element 2j in the low nibble) -> codes u8 [..., K, N]."""
+    packed = np.asarray(packed, np.uint8)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)   # [..., N, K]
+    return np.swapaxes(codes, -1, -2)
+
+
+def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int) -> tuple[np.ndarray, np.ndarray]:
+    """codes u8 [..., k_pad, n_pad] (values 0..15), scales u8 [..., k_pad / 32, n_pad] -> the
+    stream-ordered tiles: (codes int32 [..., T, tk / 8, tn], scales int32 [..., T, tk / 128, tn])."""
+    *lead, kp, npad = codes.shape
+    kt, nt = kp // tk, npad // tn
+
+    def tiles(x, rows):                     # [..., kt * rows, nt * tn] -> [..., nt * kt, rows, tn]
+        x = x.reshape(*lead, kt, rows, nt, tn)
+        x = np.moveaxis(x, -2, -4)          # [..., nt, kt, rows, tn]
+        return x.reshape(*lead, nt * kt, rows, tn)
+
+    def words(x, per, bits):                # [..., T, per * r, tn] -> [..., T, r, tn] int32
+        x = x.reshape(*x.shape[:-2], per, x.shape[-2] // per, tn).astype(np.uint32)
+        w = np.zeros(x.shape[:-3] + x.shape[-2:], np.uint32)
+        for j in range(per):
+            w |= x[..., j, :, :] << np.uint32(bits * j)
+        return w.view(np.int32)
+
+    return (words(tiles(codes, tk), CODES_PER_WORD, 4),
+            words(tiles(scales, tk // MX_GROUP), SCALES_PER_WORD, 8))
+
+
+def check_kernel_scales(scale: np.ndarray, what: str):
+    """Refuse E8M0 bytes outside KERNEL_SCALE_RANGE (see there), naming the tensor and index."""
+    lo, hi = KERNEL_SCALE_RANGE
+    s = np.asarray(scale, np.uint8)
+    bad = (s < lo) | (s > hi)
+    if bad.any():
+        pos = tuple(int(x) for x in np.argwhere(bad)[0])
+        raise PlanError(f"{what}: E8M0 scale byte {int(s[pos])} at {list(pos)} is outside {lo}..{hi}, "
+                        f"where every E2M1 value times the scale is a normal, finite bf16 number; the "
+                        f"kernel's in-VMEM dequantization would not be exact (use experts='bf16')")
+
+
+def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
+    """Rank's share of the MXFP4 experts (params["moe"]["w1"/"w3"/"w2"] = {"packed", "scale"} in
+    checkpoint orientation, already cut to this rank) -> expert_codes / expert_scales
+    [n_moe, E_local, expert_tiles, rows, tile_n] int32, never expanded to bf16."""
+    cfg = plan.config
+    leaves = {k: params["moe"][k] for k in ("w1", "w3", "w2")}
+    for k, w in leaves.items():
+        if not isinstance(w, dict):
+            raise PlanError(f"experts='mxfp4' needs the routed experts as MXFP4 (moe.{k} = {{'packed', "
+                            f"'scale'}}, mk.checkpoint.load(..., experts='mxfp4')); moe.{k} is a "
+                            f"{np.asarray(w).dtype} array")
+    gu, dn = plan.expert_gu, plan.expert_down
+    tk, tn, E = plan.tile_k, plan.tile_n, plan.local_experts
+    fe = cfg.expert_hidden // plan.layout.tp_expert
+    N, lb, per = plan.devices, plan.latent_block, cfg.latent // plan.devices
+    T = plan.expert_tiles
+    codes_out = np.empty((cfg.n_moe, E, T, gu.code_rows, tn), np.int32)
+    scales_out = np.empty((cfg.n_moe, E, T, gu.scale_rows, tn), np.int32)
+    g_per, g_lb = per // MX_GROUP, lb // MX_GROUP
+    for i in range(cfg.n_moe):
+        for k in ("w1", "w3", "w2"):
+            check_kernel_scales(leaves[k]["scale"][i], f"moe.{k} (MoE layer {i + 1})")
+        a = np.zeros((E, gu.k_pad, gu.n_pad), np.uint8)                          # [E, K, N] codes
+        sa = np.full((E, gu.k_pad // MX_GROUP, gu.n_pad), MXFP4_PAD_SCALE, np.uint8)
+        for key in ("w1", "w3"):
+            c = mxfp4_codes_kn(leaves[key]["packed"][i])                          # [E, latent, fe]
+            sc = np.swapaxes(np.asarray(leaves[key]["scale"][i], np.uint8), -1, -2)   # [E, latent/32, fe]
+            off = gu.part(key).offset
+            for j in range(N):                                                    # latent rank blocks
+                a[:, j * lb:j * lb + per, off:off + fe] = c[:, j * per:(j + 1) * per]
+                sa[:, j * g_lb:j * g_lb + g_per, off:off + fe] = sc[:, j * g_per:(j + 1) * g_per]
+        b = np.zeros((E, dn.k_pad, dn.n_pad), np.uint8)
+        sb = np.full((E, dn.k_pad // MX_GROUP, dn.n_pad), MXFP4_PAD_SCALE, np.uint8)
+        c = mxfp4_codes_kn(leaves["w2"]["packed"][i])                             # [E, fe, latent]
+        sc = np.swapaxes(np.asarray(leaves["w2"]["scale"][i], np.uint8), -1, -2)   # [E, fe/32, latent]
+        for j in range(N):
+            b[:, :fe, j * lb:j * lb + per] = c[:, :, j * per:(j + 1) * per]
+            sb[:, :fe // MX_GROUP, j * lb:j * lb + per] = sc[:, :, j * per:(j + 1) * per]
+        for m, (cm, sm) in ((gu, (a, sa)), (dn, (b, sb))):
+            start = 0 if m is gu else gu.tiles
+            codes_out[i, :, start:start + m.tiles], scales_out[i, :, start:start + m.tiles] = \
+                pack_mxfp4_tiles(cm, sm, tk, tn)
+    return {"expert_codes": codes_out, "expert_scales": scales_out}
 
 
 def pack_vectors(plan: Plan, params: dict) -> np.ndarray:

@@ -76,6 +76,17 @@ def quantized_params(cfg: K3Config, seed: int = 0, params: dict | None = None) -
     return _quantize_tree(cfg, seed, params)[0]
 
 
+def mxfp4_params(cfg: K3Config, seed: int = 0, params: dict | None = None) -> tuple[dict, dict]:
+    """(packed, dequantized): what `mk.checkpoint.load(..., experts="mxfp4")` and `load(...)` give
+    for a synthetic checkpoint of (cfg, seed) (or of `params`), without writing it. In `packed`,
+    moe.w1/w3/w2 are {"packed": u8 [n_moe, E, N, K/2], "scale": u8 [n_moe, E, N, K/32]}."""
+    deq, q = _quantize_tree(cfg, seed, params)
+    packed = {k: (dict(v) if isinstance(v, dict) else v) for k, v in deq.items()}
+    for w, (p, s) in q.items():
+        packed["moe"][w] = {"packed": p, "scale": s}
+    return packed, deq
+
+
 def _quantize_tree(cfg, seed, params):
     import jax.numpy as jnp
 

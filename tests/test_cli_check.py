@@ -72,7 +72,9 @@ def fake_kernel(monkeypatch):
     poison = {}
 
     def make_step_fn(params, cfg, batch, *, ctx, interpret=None, **kw):
+        from mk.checkpoint import dequantize_experts
         calls = {"n": 0}
+        params = dequantize_experts(params)          # `mk check` hands the kernel packed MXFP4 experts
 
         def step_fn(_params, cache, tokens):
             logits, cache = ref.decode_step(params, cache, tokens, cfg=cfg)

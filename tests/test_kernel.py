@@ -16,9 +16,11 @@ from mk.config import get_config
 from mk.plan import DEFAULT_PREFETCH_DEPTH
 
 # Every batch size, every prefetch depth (0 = no overlap, 1, the default), 5 decode steps each
-# (3 prompt tokens, then greedy: the ring wraps many times per step at every depth).
-CASES = [(1, 0), (1, DEFAULT_PREFETCH_DEPTH), (2, 1), (4, DEFAULT_PREFETCH_DEPTH), (8, 0),
-         (8, DEFAULT_PREFETCH_DEPTH)]
+# (3 prompt tokens, then greedy: the ring wraps many times per step at every depth). Routed experts
+# in both formats: "mxfp4" (packed in HBM, dequantized in VMEM; the reference runs on their
+# dequantization) at B = 1 and 8, bf16 tiles elsewhere.
+CASES = [(1, 0, "bf16"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4"), (2, 1, "bf16"), (4, DEFAULT_PREFETCH_DEPTH, "bf16"),
+         (8, 0, "bf16"), (8, DEFAULT_PREFETCH_DEPTH, "mxfp4")]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,11 @@ def _assert_close(res):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch,depth", CASES)
-def test_kernel_matches_reference(mini, batch, depth):
+@pytest.mark.parametrize("batch,depth,experts", CASES)
+def test_kernel_matches_reference(mini, batch, depth, experts):
     cfg, params = mini
-    res = check(cfg, batch, steps=5, prefetch_depth=depth, params=params, detect_races=True)
+    res = check(cfg, batch, steps=5, prefetch_depth=depth, params=params, detect_races=True, experts=experts)
+    assert res["experts"] == experts
     _assert_close(res)
 
 

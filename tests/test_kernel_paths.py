@@ -309,17 +309,20 @@ def test_each_distinct_expert_fetched_once(mixed_run):
 # ---- 3. weights from a checkpoint ----------------------------------------------------------------
 @pytest.mark.slow
 def test_kernel_on_checkpoint_weights(tmp_path):
-    """`mk.synth` writes a mini checkpoint (MXFP4 experts), `mk.checkpoint` loads it; the kernel
-    and the reference run on the loaded weights."""
+    """`mk.synth` writes a mini checkpoint (MXFP4 experts), `mk.checkpoint` loads it with the
+    experts packed (`experts="mxfp4"`); the kernel streams them packed and dequantizes them in
+    VMEM, the reference runs on the loader's bf16 dequantization of the same bytes."""
     from mk import checkpoint, synth
 
     cfg = get_config("mini")
     written = synth.write_checkpoint(cfg, tmp_path, seed=3)
-    loaded_cfg, params = checkpoint.load_with_config(tmp_path, progress=False)
-    assert loaded_cfg == cfg
+    loaded_cfg, packed = checkpoint.load_with_config(tmp_path, progress=False, experts="mxfp4")
+    assert loaded_cfg == cfg and set(packed["moe"]["w1"]) == {"packed", "scale"}
+    params = checkpoint.dequantize_experts(packed)
     np.testing.assert_array_equal(np.asarray(params["moe"]["w1"], np.float32),
                                   np.asarray(written["moe"]["w1"], np.float32))
-    step_fn = make_step_fn(params, cfg, 2, ctx=CTX, interpret=interpret_params(detect_races=True))
+    step_fn = make_step_fn(packed, cfg, 2, ctx=CTX, interpret=interpret_params(detect_races=True))
+    assert step_fn.plan.experts == "mxfp4"
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, cfg.vocab, (2, 2), dtype=np.int32)
     side_by_side(step_fn, params, cfg, reference.init_cache(cfg, 2, CTX), tokens, "checkpoint weights")

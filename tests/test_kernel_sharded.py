@@ -47,16 +47,19 @@ def _assert_close(res):
 
 # (devices, batch, steps, DMA mode): batch 1, 2, 4 and 8, both DMA modes, 8, 4 and 2 devices.
 # Sized for interpret mode: every collective is 7 remote DMAs per device on 8 devices, ~4 ms each.
-CASES = [(8, 1, 3, "on_wait"), (8, 8, 2, "eager"), (4, 4, 2, "on_wait"), (2, 2, 3, "on_wait")]
+# On 8 devices the routed experts are MXFP4 (packed, dequantized in VMEM; the reference runs on
+# their dequantization), on 4 and 2 bf16 tiles.
+CASES = [(8, 1, 3, "on_wait", "mxfp4"), (8, 8, 2, "eager", "mxfp4"), (4, 4, 2, "on_wait", "bf16"),
+         (2, 2, 3, "on_wait", "bf16")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,batch,steps,mode", CASES)
-def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mode):
+@pytest.mark.parametrize("devices,batch,steps,mode,experts", CASES)
+def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mode, experts):
     cfg, params = tp8
     res = check(cfg, batch, steps, params=params, mesh=devices, detect_races=True,
-                dma_execution_mode=mode, ctx=128)
-    assert res["devices"] == devices and res["collectives_per_step"] == 15
+                dma_execution_mode=mode, ctx=128, experts=experts)
+    assert res["devices"] == devices and res["collectives_per_step"] == 15 and res["experts"] == experts
     _assert_close(res)
 
 

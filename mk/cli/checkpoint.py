@@ -113,7 +113,7 @@ def _logits(args) -> int:
     from mk.distributed import is_main_process, mesh_from_args
     mesh = mesh_from_args(args, cfg, args.backend)
     if mesh is not None and args.backend == "kernel":      # the sharded kernel on the mesh's devices
-        params = load(args.checkpoint, progress=on_terminal(not args.no_progress))
+        params = load(args.checkpoint, progress=on_terminal(not args.no_progress), experts="mxfp4")
         with _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
             logits = np.asarray(fn(params, cfg, tokens, mesh=mesh.size), np.float32)
         np.save(args.out, logits)
@@ -128,7 +128,9 @@ def _logits(args) -> int:
             np.save(args.out, np.asarray(logits, np.float32))
             print(f"wrote {args.out}: float32 logits {list(logits.shape)} (reference on {mesh.size} devices)")
         return 0
-    params = load(args.checkpoint, progress=on_terminal(not args.no_progress))
+    # the kernel streams the checkpoint's MXFP4 experts packed (dequantized in VMEM); the reference in bf16
+    params = load(args.checkpoint, progress=on_terminal(not args.no_progress),
+                  experts="mxfp4" if args.backend == "kernel" else "bf16")
     if args.backend == "kernel":
         with _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
             logits = fn(params, cfg, tokens)

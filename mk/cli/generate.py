@@ -152,8 +152,10 @@ def run(args) -> int:
     mesh = mesh_from_args(args, cfg, args.backend)          # None: one device
     if args.checkpoint is not None:
         ckpt = _optional_module("mk.checkpoint", "--checkpoint")
-        params = (ckpt.load(args.checkpoint, progress=on_terminal(not args.json)) if mesh is None else
-                  ckpt.load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.json)))
+        # the kernel streams the checkpoint's MXFP4 experts packed; the reference computes in bf16
+        experts = "mxfp4" if args.backend == "kernel" else "bf16"
+        params = (ckpt.load(args.checkpoint, progress=on_terminal(not args.json), experts=experts) if mesh is None
+                  else ckpt.load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.json), experts=experts))
     else:
         from mk.params import init
         params = init(cfg, args.seed)

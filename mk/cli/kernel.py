@@ -26,6 +26,10 @@ def add_parser(sub):
     p.add_argument("--ctx", type=ctx_int, default=256, help="cache capacity, a multiple of 128")
     p.add_argument("--no-races", action="store_true", help="disable the race detector (faster)")
     p.add_argument("--dma-mode", choices=["on_wait", "eager"], default="on_wait")
+    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
+                   help="the kernel's routed experts: MXFP4 (the random weights quantized as `mk synth` "
+                        "writes them, packed in HBM, dequantized in VMEM; the reference runs on their "
+                        "dequantization) or bf16 tiles")
     p.add_argument("--json", action="store_true")
     add_step_options(p)
     p.set_defaults(func=run_check)
@@ -41,6 +45,9 @@ def add_parser(sub):
     p.add_argument("--layers", type=positive_int, default=None, help="override the config's layer count")
     p.add_argument("--reference", action="store_true", help="compile the XLA reference instead")
     p.add_argument("--force", action="store_true", help="compile even if the plan refuses (VMEM)")
+    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
+                   help="routed experts' storage: packed MXFP4 (the checkpoint's format, dequantized in "
+                        "VMEM) or bf16 tiles")
     p.add_argument("--json", action="store_true")
     add_step_options(p)
     p.set_defaults(func=run_aot)
@@ -100,11 +107,12 @@ def run_check(args) -> int:
         raise UserError(f"--steps ({args.steps}) exceed --ctx {args.ctx}")
     kw = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
     layout = _layout(cfg, args.mesh)
-    make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=layout, **kw)   # bad input: before any work
+    make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=layout, experts=args.experts,
+              **kw)                                                                # bad input: before any work
     _enough_devices(args.mesh)
     res = check(cfg, args.batch, args.steps, args.prefetch_depth, seed=args.seed,
                 ctx=args.ctx, detect_races=not args.no_races, dma_execution_mode=args.dma_mode,
-                progress=not args.json, mesh=args.mesh or 1)
+                progress=not args.json, mesh=args.mesh or 1, experts=args.experts)
     if args.json:
         print(json.dumps(_finite(res), indent=1, allow_nan=False))
     else:
@@ -159,8 +167,11 @@ def run_aot(args) -> int:
             kw["num_slots"] = args.num_slots
         if args.tile:
             kw["tile"] = _tile(args.tile)
-        plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh), **kw)
-        out.update(program="megakernel", collectives_per_step=plan.collectives_per_step,
+        plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh),
+                         experts=args.experts, **kw)
+        out.update(program="megakernel", experts=plan.experts, expert_bytes=plan.expert_bytes,
+                   routed_expert_bytes_per_step=plan.routed_expert_bytes_per_step(),
+                   collectives_per_step=plan.collectives_per_step,
                    remote_bytes_per_step=plan.remote_bytes_per_step,
                    pallas_calls_per_step=1, vmem_planned_bytes=plan.vmem_planned_bytes,
                    vmem_limit_bytes=plan.vmem_limit, prefetch_depth=plan.prefetch_depth,

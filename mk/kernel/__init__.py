@@ -17,7 +17,7 @@ from mk.config import K3Config
 from mk.kernel.decode import KERNEL_NAME, build_call, default_mesh, interpret_params, make_decode_step, on_tpu
 from mk.plan import Plan, make_plan, pack_weights
 
-__all__ = ["KERNEL_NAME", "build_call", "default_mesh", "interpret_params", "make_decode_step",
+__all__ = ["experts_format", "KERNEL_NAME", "build_call", "default_mesh", "interpret_params", "make_decode_step",
            "kernel_weights", "place_cache", "make_step_fn", "teacher_forced_logits", "make_plan", "on_tpu"]
 
 
@@ -45,10 +45,21 @@ def place_cache(cache: dict, mesh) -> dict:
         {k: jax.device_put(v, NamedSharding(mesh, P(*CACHE_SPECS[k]))) for k, v in cache.items()})
 
 
+def experts_format(params: dict) -> str:
+    """"mxfp4" if params' routed experts are packed (`mk.checkpoint.load(..., experts="mxfp4")`:
+    moe.w1 = {"packed", "scale"}), else "bf16"."""
+    moe = params.get("moe", {}) if isinstance(params, dict) else {}
+    return "mxfp4" if isinstance(moe.get("w1"), dict) else "bf16"
+
+
 def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int | None = None,
                  ctx: int = 256, interpret=None, mesh: int | None = None, **plan_kw):
     """A `step_fn(params, cache, tokens) -> (logits, cache)` backed by the kernel (the `params`
     argument is ignored: weights are packed once here), for `mk.reference.generate`.
+
+    The routed experts keep the format `params` holds them in (`experts_format`): packed MXFP4
+    experts stay packed in HBM and are dequantized in VMEM; `experts="bf16"` in `plan_kw` asks
+    for bf16 expert tiles instead.
 
     mesh: number of devices (default 1); the layout is `mk.sharding.default_layout`. Caches
     passed in are placed on the mesh on first use. After each call `step_fn.last_prefix` holds
@@ -56,6 +67,7 @@ def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int
     from mk.sharding import default_layout
 
     kw = dict(plan_kw)
+    kw.setdefault("experts", experts_format(params))
     if prefetch_depth is not None:
         kw["prefetch_depth"] = prefetch_depth
     if mesh is not None and mesh > 1 and "layout" not in kw:

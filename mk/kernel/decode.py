@@ -109,8 +109,7 @@ def decode_kernel(plan: Plan):
 
     def kernel(*args):
         r = refs_mod.Refs(plan, args)
-        ring = WeightRing(plan, r.tables, r.tiles, r.experts, r.slots, r.slot_sems, r.distinct,
-                          r.xbuf, r.ybuf)
+        ring = WeightRing(plan, r)
         k = StepContext(cfg, plan, r, ring)
         with jax.named_scope("step_init"):
             ring.reset()
@@ -153,7 +152,7 @@ def decode_kernel(plan: Plan):
             k.vector_copy(L).wait()
             h = mix(r.p[...], r.blocks, cfg.n_blocks, k.vec("attn_res", d), eps)   # row set L: output_res
             normed = rms(h, k.vec("attn_norm", d), eps)                             # ... and final_norm
-            r.logits[...] = ring.matmul(normed, plan.stream(L).pre[0])
+            r.logits[...] = ring.matmul(normed, plan.stream(L).matrix("lm_head"))
 
     return kernel
 
@@ -175,16 +174,17 @@ def build_call(plan: Plan, interpret=None):
         interpret = False if on_tpu() else interpret_params()
     n_prefetch = len(refs_mod.SCALARS) + len(refs_mod.TABLES)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    n_in = len(refs_mod.INPUTS)
+    in_names = refs_mod.inputs(plan)
+    n_in = len(in_names)
     out_names = refs_mod.outputs(plan)
     vmem_out = refs_mod.vmem_outputs(plan)
     # aliased input -> output, by name; input indices count the scalar-prefetch args.
-    aliases = {n_prefetch + refs_mod.INPUTS.index(i): out_names.index(o) for i, o in refs_mod.ALIASES.items()}
+    aliases = {n_prefetch + in_names.index(i): out_names.index(o) for i, o in refs_mod.ALIASES.items()}
     # The entry barrier's semaphore exists only with a collective id (mesh runs).
     collective = {"collective_id": 0} if plan.devices > 1 else {}
 
     def call(scalars, inputs):
-        states = [inputs[refs_mod.INPUTS.index(i)] for i in refs_mod.ALIASES]
+        states = [inputs[in_names.index(i)] for i in refs_mod.ALIASES]
         return pl.pallas_call(
             decode_kernel(plan),
             out_shape=[jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in vmem_out]
@@ -230,14 +230,17 @@ def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
     state_specs = tuple(P(*CACHE_SPECS[n]) for n in state_names)
     n_tables = len(refs_mod.TABLES)
 
+    expert_names = refs_mod.expert_inputs(plan)        # ("experts",) or ("expert_codes", "expert_scales")
+
     def per_device(tokens, positions, rank, table_args, embed, tiles, experts, vectors, states):
         logits, prefix, *new_states = call([tokens, positions, rank, *table_args],
-                                           [embed, tiles, experts, vectors, *states])
+                                           [embed, tiles, *experts, vectors, *states])
         return logits, prefix, tuple(new_states)
 
     mapped = jax.shard_map(
         per_device, mesh=mesh,
-        in_specs=(P(), P(), P(ALL), (P(),) * n_tables, P(ALL), P(ALL), P(ALL), P(ALL), state_specs),
+        in_specs=(P(), P(), P(ALL), (P(),) * n_tables, P(ALL), P(ALL), (P(ALL),) * len(expert_names), P(ALL),
+                  state_specs),
         out_specs=(P(ALL), P(ALL), state_specs), check_vma=False)
 
     def step(weights, cache, tokens):
@@ -245,8 +248,8 @@ def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
         table_args = tuple(jnp.asarray(tables[n]) for n in refs_mod.TABLES)
         states = tuple(cache[n] for n in state_names)
         logits, prefix, new_states = mapped(tokens.astype(jnp.int32), cache["pos"].astype(jnp.int32), rank,
-                                    table_args, weights["embed"], weights["tiles"], weights["experts"],
-                                    weights["vectors"], states)
+                                    table_args, weights["embed"], weights["tiles"],
+                                    tuple(weights[n] for n in expert_names), weights["vectors"], states)
         # [N * rows, cols] (device r's vocabulary block r) -> [B, V]
         logits = logits.reshape(N, plan.rows, -1)[:, :B, :V].transpose(1, 0, 2).reshape(B, N * V)
         new_cache = dict(zip(state_names, new_states), pos=cache["pos"] + 1)

@@ -11,6 +11,6 @@ def dense_mlp(k, m):
     cfg, s = k.cfg, k.plan.stream(0)
     gate_up, down = s.matrix("dense.gate_up"), s.matrix("dense.down")
     gu = k.ring.matmul(m, gate_up)
-    g, u = (gu[:, p.offset:p.offset + p.width] for p in gate_up.parts)
+    g, u = (gate_up.part(n).cols(gu) for n in ("gate", "up"))
     h = situ(bf(g), bf(u), cfg.situ_beta, cfg.situ_linear_beta)
     return bf(all_reduce(k, "dense_out", k.ring.matmul(h, down)[:, :cfg.dim]))

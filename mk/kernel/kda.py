@@ -57,8 +57,9 @@ def kda(k, a, i):
         f = bf(ring.matmul(a, f_a)[:, :D])
         g_raw = bf(ring.matmul(f, f_b)[:, :HD])
         y = ring.matmul(a, proj)
-        q_t, k_t, v_t, g_o, b_raw = (bf(y[:, p.offset:p.offset + p.width]) for p in proj.parts)
-        r.beta_raw[...] = bf(y[:, proj.parts[4].offset:proj.parts[4].offset + r.beta_raw.shape[1]])
+        q_t, k_t, v_t, g_o = (bf(proj.part(n).cols(y)) for n in "qkvg")
+        beta = proj.part("b")                                                # H lanes, 128-aligned
+        r.beta_raw[...] = bf(y[:, beta.offset:beta.offset + r.beta_raw.shape[1]])
     for c in loads:
         c.wait()
 

@@ -97,7 +97,7 @@ def mla(k, a, i):
     proj, q_b, kv_b, o_proj = (s.matrix(n) for n in ("mla.in", "mla.q_b", "mla.kv_b", "mla.o"))
     with jax.named_scope("mla_projections"):
         y = ring.matmul(a, proj)
-        q_a, kv_a, g = (y[:, p.offset:p.offset + p.width] for p in proj.parts)
+        q_a, kv_a, g = (proj.part(n).cols(y) for n in ("q_a", "kv_a", "g"))
         c_q = rms(bf(q_a), k.vec("q_a_norm", cfg.q_rank), cfg.eps)
         kva = bf(kv_a)
         c_kv = rms(kva[:, :cfg.kv_rank], k.vec("kv_a_norm", cfg.kv_rank), cfg.eps)

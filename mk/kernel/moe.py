@@ -90,8 +90,9 @@ def moe(k, m, layer):
         n_distinct = publish_distinct(k, layer, any_row)
     with jax.named_scope("moe_shared"):
         y = ring.matmul(m, fused_in)
-        _, sg, su = (bf(y[:, p.offset:p.offset + p.width]) for p in fused_in.parts)
-        latent = all_gather(k, "moe_latent", bf(y[:, :lb]))                  # [R, N * lb]
+        sg, su = (bf(fused_in.part(n).cols(y)) for n in ("shared_gate", "shared_up"))
+        down = fused_in.part("latent_down")                                 # this rank's latent slice
+        latent = all_gather(k, "moe_latent", bf(y[:, down.offset:down.offset + lb]))   # [R, N * lb]
         h = situ(sg, su, cfg.situ_beta, cfg.situ_linear_beta)
         z_shared = ring.matmul(h, shared_down)[:, :cfg.dim]                   # partial on a mesh
     with jax.named_scope("moe_experts"):
@@ -103,7 +104,7 @@ def moe(k, m, layer):
         def expert(j):
             e = r.distinct[j] + base
             gu = ring.matmul(latent, gu_m)
-            g, u = (bf(gu[:, p.offset:p.offset + p.width]) for p in gu_m.parts)
+            g, u = (bf(gu_m.part(n).cols(gu)) for n in ("w1", "w3"))
             out = bf(ring.matmul(situ(g, u, cfg.situ_beta, cfg.situ_linear_beta), down_m)[:, :plan.latent_padded])
             weight = jnp.sum(jnp.where(lane == e, r.route_coef[...], 0.0), axis=-1, keepdims=True)
             r.routed_acc[...] = r.routed_acc[...] + weight * f32(out)

@@ -12,10 +12,22 @@ from mk.plan import Buffer, Plan
 
 SCALARS = ("tokens", "positions", "rank")   # [B], [B], [1]: this device's rank in the mesh
 TABLES = ("expert_at", "next_base", "is_mla", "family_index", "n_attn_blocks", "n_mlp_blocks")
+# HBM inputs; the routed experts' entries depend on their format (`expert_inputs`).
 INPUTS = ("embed", "tiles", "experts", "vectors_hbm", "kda_state_in", "conv_state_in", "mla_k_in", "mla_v_in")
+EXPERT_INPUTS = {"bf16": ("experts",), "mxfp4": ("expert_codes", "expert_scales")}
 # HBM input -> the output it is updated into in place (pallas_call's input_output_aliases).
 ALIASES = {"kda_state_in": "kda_state_hbm", "conv_state_in": "conv_state_hbm",
            "mla_k_in": "mla_k_hbm", "mla_v_in": "mla_v_hbm"}
+
+
+def expert_inputs(plan: Plan) -> tuple[str, ...]:
+    return EXPERT_INPUTS[plan.experts]
+
+
+def inputs(plan: Plan) -> tuple[str, ...]:
+    """The pallas_call's HBM inputs by name, in order (the experts as their format stores them)."""
+    i = INPUTS.index("experts")
+    return INPUTS[:i] + expert_inputs(plan) + INPUTS[i + 1:]
 
 
 def _pallas_type(b: Buffer):
@@ -46,7 +58,7 @@ class Refs:
     """Attribute access to every ref of the kernel, by the names above."""
 
     def __init__(self, plan: Plan, args):
-        names = [*SCALARS, *TABLES, *INPUTS, *outputs(plan), *scratch_names(plan)]
+        names = [*SCALARS, *TABLES, *inputs(plan), *outputs(plan), *scratch_names(plan)]
         assert len(names) == len(args), (len(names), len(args))
         self.__dict__.update(zip(names, args))
         self.tables = {n: getattr(self, n) for n in TABLES}

@@ -12,10 +12,15 @@ Because the cursor walks straight from one layer's stream into the next, the nex
 tiles arrive while this layer is still computing: cross-layer prefetch. The cursor stops at the
 start of a MoE layer's expert segment until the router of that layer has published its distinct
 experts (`publish_routing`).
+
+Tiles land in the slot pool of their matrix's storage format (`Matrix.format`): bf16 tiles in
+`slots`; MXFP4 expert tiles (`plan.experts == "mxfp4"`) in their own `code_slots` / `scale_slots`
+with their own semaphores, and are dequantized into the bf16 `dequant` buffer right before their
+matmul (`dequantize_tile`). One cursor, one stream order, one prefetch depth for both pools; a
+pool's slot is its own issue count mod `num_slots`.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,31 +28,67 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.layers.common import K_CHUNK
-from mk.plan import Matrix, Plan
+from mk.plan import CODES_PER_WORD, MX_GROUP, SCALES_PER_WORD, Matrix, Plan
 
 
+def e2m1_to_bf16(code, scale):
+    """Exact MXFP4 dequantization with integer ops: code int32 [r, n] (E2M1, 0..15: bit 3 sign,
+    bits 1-2 exponent e, bit 0 mantissa m), scale int32 [1 or r, n] (E8M0 byte s, 2..252, see
+    `mk.plan.KERNEL_SCALE_RANGE`) -> bf16 [r, n] = value(code) * 2^(s - 127).
 
-@dataclasses.dataclass
+    E2M1 magnitudes are 2^(e-1) * (1 + m/2) for e >= 1 and m/2 for e = 0, so the product is
+    assembled as an fp32 bit pattern: biased exponent e - 1 + s (or s - 1 for 0.5, nothing for 0),
+    mantissa bit m at bit 22. The pattern has no bits below bit 16, so the cast to bf16 is exact."""
+    sign = jax.lax.shift_right_logical(code, 3) & 1
+    e = jax.lax.shift_right_logical(code, 1) & 3
+    m = code & 1
+    exponent = jnp.where(e == 0, scale - 1, e - 1 + scale)
+    magnitude = jnp.where((e | m) == 0, 0, (exponent << 23) | jnp.where(e == 0, 0, m << 22))
+    bits = magnitude | (sign << 31)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+
+
+def dequantize_tile(codes, scales, out, m: Matrix):
+    """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
+    layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref.
+
+    Whole-tile vector ops (few primitives: interpret mode runs each one separately): code j of
+    every word is row block j, scale byte j of every word is row-group block j; each group's
+    scale row is broadcast over its 32 rows."""
+    tk, tn = m.tile_k, m.tile_n
+    words = codes[...]
+    code = jnp.concatenate([jax.lax.shift_right_logical(words, 4 * j) & 15 for j in range(CODES_PER_WORD)],
+                           axis=0)                                                  # [tk, tn]
+    s_words = scales[...]
+    group = jnp.concatenate([jax.lax.shift_right_logical(s_words, 8 * j) & 255 for j in range(SCALES_PER_WORD)],
+                            axis=0)                                                 # [tk / 32, tn]
+    scale = jnp.broadcast_to(group[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
+    out[...] = e2m1_to_bf16(code, scale)
+
+
 class WeightRing:
     """The ring's buffers, plus its counters as traced scalars (`self.c`) threaded through every
     loop and branch that touches the ring (`fori`, `cond`), so the hot path does no SMEM traffic.
 
-    Counters: issued / consumed tiles; `dense_next`, the next dense tile to issue (the packed array
-    is in stream order); `layer`, the cursor's layer; `expert_pos`, expert tiles issued in that
-    layer; `routed` / `n_distinct`, the last layer whose router published its experts.
-    """
-    plan: Plan
-    tables: dict              # SMEM refs: expert_at, next_base [L + 1] int32
-    tiles_hbm: object         # [dense_tiles, tile_k, tile_n] bf16 (HBM)
-    experts_hbm: object       # [n_moe, E_local, expert_tiles, tile_k, tile_n] bf16 (HBM)
-    slots: object             # [num_slots, tile_k, tile_n] bf16 (VMEM)
-    sems: object              # DMA semaphores [num_slots]
-    distinct: object          # [max(E_local, 1)] int32 (SMEM): local ids of the routed layer's experts
-    xbuf: object              # [rows, k_max] bf16 (VMEM): matmul input
-    ybuf: object              # [rows, n_max] f32 (VMEM): matmul output
-    c: dict = None
+    Counters: issued / consumed tiles (both pools); `issued_mx` / `consumed_mx`, those of the mxfp4
+    pool; `dense_next`, the next dense tile to issue (the packed array is in stream order);
+    `layer`, the cursor's layer; `expert_pos`, expert tiles issued in that layer; `routed` /
+    `n_distinct`, the last layer whose router published its experts.
 
-    FIELDS = ("issued", "consumed", "dense_next", "layer", "expert_pos", "routed", "n_distinct", "coll")
+    Refs (`mk.kernel.refs.Refs`, shapes in `Plan.buffers`): tables (expert_at, next_base, SMEM);
+    tiles [dense_tiles, TK, TN] bf16 and the experts (HBM): experts [n_moe, E_local, T, TK, TN] bf16
+    or expert_codes / expert_scales [n_moe, E_local, T, TK/8 | TK/128, TN] int32; slots
+    [S, TK, TN] bf16 + slot_sems; code_slots / scale_slots + code_sems / scale_sems and dequant
+    [TK, TN] bf16 (mxfp4); distinct [E_local] int32 (SMEM); xbuf [R, K] bf16, ybuf [R, N] f32.
+    """
+
+    FIELDS = ("issued", "consumed", "issued_mx", "consumed_mx", "dense_next", "layer", "expert_pos",
+              "routed", "n_distinct", "coll")
+
+    def __init__(self, plan: Plan, refs):
+        self.plan, self.r, self.tables = plan, refs, refs.tables
+        self.mxfp4 = plan.experts == "mxfp4"
+        self.c = None
 
     def reset(self):
         self.c = {f: jnp.int32(-1 if f == "routed" else 0) for f in self.FIELDS}
@@ -74,33 +115,47 @@ class WeightRing:
         out, self.c = jax.lax.cond(pred, branch(true_fn), branch(false_fn))
         return out
 
-    # ---- issuing --------------------------------------------------------------------------------
-    def _copy(self, src, slot):
-        return pltpu.make_async_copy(src, self.slots.at[slot], self.sems.at[slot])
+    # ---- the copies -----------------------------------------------------------------------------
+    def _bf16_copy(self, src, slot):
+        return pltpu.make_async_copy(src, self.r.slots.at[slot], self.r.slot_sems.at[slot])
 
+    def _mxfp4_copies(self, layer, expert, tile, slot):
+        r = self.r
+        return (pltpu.make_async_copy(r.expert_codes.at[layer, expert, tile], r.code_slots.at[slot],
+                                      r.code_sems.at[slot]),
+                pltpu.make_async_copy(r.expert_scales.at[layer, expert, tile], r.scale_slots.at[slot],
+                                      r.scale_sems.at[slot]))
+
+    # ---- issuing --------------------------------------------------------------------------------
     def _issue_next(self):
         """Issue the next tile of the stream if its source is known (experts need routing)."""
-        c, t, Te = self.c, self.tables, self.plan.expert_tiles
+        c, t, Te, S = self.c, self.tables, self.plan.expert_tiles, self.plan.num_slots
         layer = c["layer"]
         at_experts = c["dense_next"] == t["expert_at"][layer]        # -1 for layers without experts
         known = c["routed"] == layer
         expert = at_experts & known & (c["expert_pos"] < c["n_distinct"] * Te)
         blocked = at_experts & jnp.logical_not(known)
         dense = jnp.logical_not(expert | blocked) & (c["dense_next"] < self.plan.dense_tiles)
-        slot = c["issued"] % self.plan.num_slots
+        bf16_slot = (c["issued"] - c["issued_mx"]) % S
 
         @pl.when(expert)
         def _():
             j = c["expert_pos"]
-            self._copy(self.experts_hbm.at[layer - 1, self.distinct[j // Te], j % Te], slot).start()
+            e, tile = self.r.distinct[j // Te], j % Te
+            if self.mxfp4:
+                for cp in self._mxfp4_copies(layer - 1, e, tile, c["issued_mx"] % S):
+                    cp.start()
+            else:
+                self._bf16_copy(self.r.experts.at[layer - 1, e, tile], bf16_slot).start()
 
         @pl.when(dense)
         def _():
-            self._copy(self.tiles_hbm.at[c["dense_next"]], slot).start()
+            self._bf16_copy(self.r.tiles.at[c["dense_next"]], bf16_slot).start()
 
         dense_next = c["dense_next"] + dense.astype(jnp.int32)
         next_layer = dense & (dense_next == t["next_base"][layer]) & (layer < self.plan.config.layers)
         self.c = dict(c, issued=c["issued"] + (expert | dense).astype(jnp.int32), dense_next=dense_next,
+                      issued_mx=c["issued_mx"] + (expert & self.mxfp4).astype(jnp.int32),
                       layer=jnp.where(next_layer, layer + 1, layer),
                       expert_pos=jnp.where(next_layer, 0, c["expert_pos"] + expert.astype(jnp.int32)))
 
@@ -115,15 +170,30 @@ class WeightRing:
         self.advance()
 
     # ---- consuming ------------------------------------------------------------------------------
-    def take(self):
-        """Wait for the next tile in stream order; returns its slot index."""
+    def take(self, m: Matrix):
+        """Wait for the next tile in stream order (a tile of `m`); returns its slot in m's pool."""
         self.advance()
-        slot = self.c["consumed"] % self.plan.num_slots
-        self._copy(self.tiles_hbm.at[0], slot).wait()
+        S = self.plan.num_slots
+        if m.format == "mxfp4":
+            slot = self.c["consumed_mx"] % S
+            for cp in self._mxfp4_copies(0, 0, 0, slot):
+                cp.wait()
+        else:
+            slot = (self.c["consumed"] - self.c["consumed_mx"]) % S
+            self._bf16_copy(self.r.tiles.at[0], slot).wait()
         return slot
 
-    def release(self):
-        self.c = dict(self.c, consumed=self.c["consumed"] + 1)
+    def release(self, m: Matrix):
+        self.c = dict(self.c, consumed=self.c["consumed"] + 1,
+                      consumed_mx=self.c["consumed_mx"] + int(m.format == "mxfp4"))
+
+    def tile(self, m: Matrix, slot):
+        """The bf16 [tile_k, tile_n] ref of the tile in `slot` of m's pool (mxfp4: dequantized now)."""
+        if m.format == "mxfp4":
+            r = self.r
+            dequantize_tile(r.code_slots.at[slot], r.scale_slots.at[slot], r.dequant, m)
+            return r.dequant
+        return self.r.slots.at[slot]
 
     def matmul(self, x: jax.Array, m: Matrix) -> jax.Array:
         """x [rows, <= m.k] bf16 @ the streamed matrix m -> [rows, m.n] f32 (fp32 accumulation).
@@ -133,22 +203,23 @@ class WeightRing:
         tk, tn = m.tile_k, m.tile_n
         chunk = K_CHUNK if tk % K_CHUNK == 0 else tk
         rows = x.shape[0]
-        self.xbuf[:, :x.shape[1]] = x
+        xbuf, ybuf = self.r.xbuf, self.r.ybuf
+        xbuf[:, :x.shape[1]] = x
         if m.k_pad > x.shape[1]:
-            self.xbuf[:, x.shape[1]:m.k_pad] = jnp.zeros((rows, m.k_pad - x.shape[1]), x.dtype)
+            xbuf[:, x.shape[1]:m.k_pad] = jnp.zeros((rows, m.k_pad - x.shape[1]), x.dtype)
 
         def column(n):
             def row_block(k, carry):
                 acc, self.c = carry
-                slot = self.take()
+                w = self.tile(m, self.take(m))
                 for c in range(0, tk, chunk):   # K_CHUNK-deep products, summed in order (as mk.layers.common.mm)
-                    xk = self.xbuf[:, pl.ds(pl.multiple_of(k * tk + c, chunk), chunk)]
-                    acc = acc + jnp.dot(xk, self.slots[slot, c:c + chunk], preferred_element_type=jnp.float32)
-                self.release()
+                    xk = xbuf[:, pl.ds(pl.multiple_of(k * tk + c, chunk), chunk)]
+                    acc = acc + jnp.dot(xk, w[c:c + chunk], preferred_element_type=jnp.float32)
+                self.release(m)
                 return acc, self.c
             acc, self.c = jax.lax.fori_loop(0, m.k_tiles, row_block,
                                             (jnp.zeros((rows, tn), jnp.float32), self.c))
-            self.ybuf[:, pl.ds(pl.multiple_of(n * tn, tn), tn)] = acc
+            ybuf[:, pl.ds(pl.multiple_of(n * tn, tn), tn)] = acc
 
         self.fori(0, m.n_tiles, column)
-        return self.ybuf[:, :m.n]
+        return ybuf[:, :m.n]
