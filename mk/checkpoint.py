@@ -47,6 +47,7 @@ rank needs.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import dataclasses
 import json
 import os
@@ -574,6 +575,8 @@ class Checkpoint:
         pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
         order = list(groups.values())
         streamer = ShardStreamer(self.path, self._shard_order(order))
+        gc_was_on = gc.isenabled()
+        gc.disable()         # no cyclic garbage is made here; JAX's gc callback cost ~1 s per load
         try:
             for gi, items in enumerate(order):
                 streamer.consumer_at(self._shards_of(items))
@@ -585,6 +588,8 @@ class Checkpoint:
                         fut.result()
                 bar.update(1)
         finally:
+            if gc_was_on:
+                gc.enable()
             streamer.stop()
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -771,10 +776,26 @@ def _allocate(cfg: K3Config, experts: str) -> dict:
 _ALIGN = 64  # jax.device_put aliases (does not copy) host arrays aligned like this on CPU
 
 
+_HUGE = 2 << 20   # transparent huge page size (x86-64 / arm64 default)
+
+
 def _empty(shape, dtype) -> np.ndarray:
-    """np.empty, but 64-byte aligned so that the hand-off to JAX is zero-copy."""
+    """np.empty, but 64-byte aligned so that the hand-off to JAX is zero-copy. Big arrays are
+    anonymous maps aligned to 2 MiB and advised MADV_HUGEPAGE: filling fresh memory then takes
+    one page fault per 2 MiB instead of per 4 KiB (measured: the faults, not the copies, made
+    warm loads slow)."""
+    import mmap
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if n >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        m = mmap.mmap(-1, n + _HUGE)
+        buf = np.frombuffer(m, np.uint8)
+        off = (-buf.ctypes.data) % _HUGE
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE, off, n - n % _HUGE or n)
+        except (OSError, ValueError):
+            pass
+        return buf[off:off + n].view(dtype).reshape(shape)
     buf = np.empty(n + _ALIGN, np.uint8)
     off = (-buf.ctypes.data) % _ALIGN
     return buf[off:off + n].view(dtype).reshape(shape)
