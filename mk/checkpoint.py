@@ -562,6 +562,15 @@ class Checkpoint:
         """The parameter tree (see module docstring). `to_jax=False` returns numpy arrays."""
         if experts not in ("bf16", "mxfp4"):
             raise ValueError(f"experts must be 'bf16' or 'mxfp4', found {experts!r}")
+        gc_was_on = gc.isenabled()
+        gc.disable()   # a load makes no cyclic garbage; collections (JAX's gc callback) cost ~1 s
+        try:
+            return self._load(experts, progress, to_jax, threads)
+        finally:
+            if gc_was_on:
+                gc.enable()
+
+    def _load(self, experts: str, progress: bool, to_jax: bool, threads: int) -> dict:
         entries = layout(self.cfg)
         self.validate(entries)
         tree = _allocate(self.cfg, experts)
@@ -575,8 +584,6 @@ class Checkpoint:
         pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
         order = list(groups.values())
         streamer = ShardStreamer(self.path, self._shard_order(order))
-        gc_was_on = gc.isenabled()
-        gc.disable()         # no cyclic garbage is made here; JAX's gc callback cost ~1 s per load
         try:
             for gi, items in enumerate(order):
                 streamer.consumer_at(self._shards_of(items))
@@ -588,8 +595,6 @@ class Checkpoint:
                         fut.result()
                 bar.update(1)
         finally:
-            if gc_was_on:
-                gc.enable()
             streamer.stop()
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
