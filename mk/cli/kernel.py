@@ -338,7 +338,8 @@ def compile_times(config, layers, *, experts=None, topology="tpu7x:2x2x1", batch
 
 
 def compile_time_summary(rows) -> dict:
-    """Per program: deepest / shallowest total time (None when either did not finish)."""
+    """Per program: deepest / shallowest total time (None unless both compiled: a compile that
+    timed out or that the compiler refused, e.g. out of HBM before Mosaic ran, has no comparable time)."""
     by = {}
     for r in rows:
         by.setdefault(r["program"], []).append(r)
@@ -346,8 +347,9 @@ def compile_time_summary(rows) -> dict:
     for p, rs in by.items():
         rs = sorted(rs, key=lambda r: r["layers"])
         a, b = rs[0]["total_s"], rs[-1]["total_s"]
+        both = rs[0]["compiled"] and rs[-1]["compiled"] and len(rs) > 1   # a refusal's time is no compile time
         out[p] = {"shallowest": rs[0]["layers"], "deepest": rs[-1]["layers"],
-                  "ratio_deepest_vs_shallowest": (b / a if a and b is not None and len(rs) > 1 else None),
+                  "ratio_deepest_vs_shallowest": b / a if both else None,
                   "max_total_s": max((r["total_s"] for r in rs if r["total_s"] is not None), default=None),
                   "all_finished": all(not r["timed_out"] for r in rs)}
     return out
