@@ -157,8 +157,12 @@ def test_synth_and_load_cli(tmp_path, capsys):
     capsys.readouterr()
     assert main(["load", str(out), "--bench", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert {"bytes", "seconds", "gb_per_s", "raw_read_gb_per_s"} <= set(res)
+    assert {"bytes", "seconds", "gb_per_s", "raw_read_gb_per_s", "ratio_of_medians"} <= set(res)
     assert res["bytes"] == ck.checkpoint_bytes(out)
+    assert res["experts"] == "mxfp4"                     # the default: experts stay packed
+    assert res["output_bytes"] < res["bytes"] + 4096     # nothing expanded: the tree is the file's bytes
+    assert 0 < res["rss_before_bytes"] <= res["peak_rss_bytes"]
+    assert res["peak_rss_over_checkpoint"] == res["peak_rss_bytes"] / res["bytes"]
     assert_same_tree(ck.load(out, progress=False), synth.quantized_params(cfg, 3))
 
 

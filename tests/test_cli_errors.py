@@ -137,7 +137,7 @@ CASES = [
     (["compile-time", "--layers", "-4"], "--layers: values must be at least 1, found -4"),
     (["compile-time", "--topology", "zz"], "--topology: unknown topology 'zz'"),
     (["compile-time", "--config", "nope"], "unknown config 'nope'"),
-    (["compile-time", "--experts", "0"], "argument --experts: must be at least 1"),
+    (["compile-time", "--num-experts", "0"], "argument --num-experts: must be at least 1"),
     # simulate
     (["simulate", "--system", "h100x8"], "--system: unknown system 'h100x8'"),
     (["simulate", "--batch", "one"], "--batch: expected comma-separated integers"),

@@ -207,7 +207,22 @@ def drop_page_cache(files):
         raise UserError(f"--cold: cannot drop the page cache ({e}); run as root or without --cold") from None
 
 
-def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1, cold: bool = False,
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (getrusage ru_maxrss; Linux counts KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (/proc/self/statm; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def bench_load(path, experts: str = "mxfp4", threads: int = 2, repeat: int = 1, cold: bool = False,
                show_progress: bool = False) -> dict:
     """Load time vs raw read time of the same shard files, page cache in the same (warm) state.
 
@@ -219,7 +234,10 @@ def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1, c
     dequantize, so the ratio is a host-memory figure, not an I/O one. `cold=True` instead drops
     the page cache before each timed raw read and each timed load (storage-bound comparison).
     `ratio` compares the best of each; `ratio_per_repeat` pairs each raw read with the load that
-    follows it (on a noisy VM the spread is the honest figure).
+    follows it (on a noisy VM the spread is the honest figure); `ratio_of_medians` is the median
+    raw-read time over the median load time. `peak_rss_bytes`: the process's peak resident set
+    (getrusage), against the checkpoint's bytes on disk (`peak_rss_over_checkpoint`);
+    `rss_before_bytes` is what the process held before the first load (Python, JAX).
     """
     import gc
 
@@ -230,6 +248,7 @@ def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1, c
     with Checkpoint(path) as ck:
         files = ck.shard_files
     total = raw_read(files)  # warm-up
+    rss_before = rss_bytes()
     raw_s, load_s = [], []
     for _ in progress(range(repeat), desc="bench (raw read + load)", enabled=show_progress and repeat > 1,
                       unit="repeat"):
@@ -249,12 +268,15 @@ def bench_load(path, experts: str = "bf16", threads: int = 2, repeat: int = 1, c
     r, s = min(raw_s), min(load_s)
     ratios = [a / b for a, b in zip(raw_s, load_s)]
     out_bytes = nbytes(abstract_params(path, experts=experts))
+    peak = peak_rss_bytes()
     return {"path": os.fspath(path), "bytes": total, "shards": len(files), "experts": experts,
             "threads": threads, "seconds": s, "gb_per_s": total / s / 1e9,
             "raw_read_seconds": r, "raw_read_gb_per_s": total / r / 1e9,
             "ratio": (total / s) / (total / r), "output_bytes": out_bytes, "repeat": repeat,
             "seconds_all": load_s, "raw_read_seconds_all": raw_s,
             "ratio_per_repeat": ratios, "ratio_median": statistics.median(ratios),
+            "ratio_of_medians": statistics.median(raw_s) / statistics.median(load_s),
+            "peak_rss_bytes": peak, "rss_before_bytes": rss_before, "peak_rss_over_checkpoint": peak / total,
             "cache": ("cold: page cache dropped before each timed raw read and each timed load" if cold else
                       "warm: untimed raw read first, then per repeat a timed raw read and a timed load")}
 
@@ -274,15 +296,19 @@ def _load(args) -> int:
         s = time.perf_counter() - t
         n = checkpoint_bytes(args.path)
         res = {"path": args.path, "bytes": n, "seconds": s, "gb_per_s": n / s / 1e9,
-               "experts": args.experts, "leaves": len(jax.tree.leaves(tree))}
+               "experts": args.experts, "leaves": len(jax.tree.leaves(tree)),
+               "peak_rss_bytes": peak_rss_bytes(), "peak_rss_over_checkpoint": peak_rss_bytes() / n}
     if args.json:
         print(json.dumps(res))
     else:
         line = f"loaded {res['path']}: {res['bytes'] / 1e9:.3f} GB in {res['seconds']:.2f} s ({res['gb_per_s']:.2f} GB/s)"
         if args.bench:
-            line += (f"; raw sequential read {res['raw_read_gb_per_s']:.2f} GB/s; "
-                     f"ratio {res['ratio']:.2f}")
+            line += (f"; raw sequential read {res['raw_read_gb_per_s']:.2f} GB/s; ratio {res['ratio']:.2f} "
+                     f"(best of {res['repeat']}), median of per-repeat ratios {res['ratio_median']:.2f} "
+                     f"({'cold' if args.cold else 'warm'} page cache)")
         print(line)
+        print(f"peak RSS {res['peak_rss_bytes'] / 1e9:.3f} GB = {res['peak_rss_over_checkpoint']:.2f}x the "
+              f"checkpoint's bytes on disk")
     return 0
 
 
@@ -313,12 +339,16 @@ def add_parser(subparsers):
 
     p = subparsers.add_parser("load", help="load a checkpoint (optionally benchmark the load)")
     p.add_argument("path", help="checkpoint directory")
-    p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16")
-    p.add_argument("--bench", action="store_true", help="compare with a raw sequential read of the shards")
+    p.add_argument("--experts", choices=("bf16", "mxfp4"), default="mxfp4",
+                   help="mxfp4 (default): routed experts stay packed, as the kernel reads them; bf16: "
+                        "dequantized at load time (what the XLA reference reads)")
+    p.add_argument("--bench", action="store_true", help="compare with a raw sequential read of the shards; "
+                   "print the peak RSS")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--repeat", type=positive_int, default=1, help="--bench: report the best of N")
     p.add_argument("--cold", action="store_true",
-                   help="--bench: drop the page cache before each timed read (needs root)")
+                   help="--bench: evict the files from the page cache (fadvise DONTNEED + drop_caches) "
+                        "before each timed read and each timed load (needs root)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_load)

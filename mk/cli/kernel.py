@@ -1,5 +1,5 @@
-"""`check` (kernel vs reference in interpret mode), `aot` (deviceless TPU compile) and
-`compile-time` (compile time vs depth).
+"""`check` (kernel vs reference in interpret mode), `aot` (deviceless TPU compile of the sharded
+step for a topology) and `compile-time` (compile time vs depth, megakernel and XLA reference).
 
 `check` exits 0 when the kernel agrees with the reference within the tolerances of `mk.check`
 (printed with the result, and in its JSON with `verdict` and `reasons`), 1 when it does not, and 2
@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import math
 
-from mk.cli.common import add_step_options, ctx_int, int_list, nonnegative_int, positive_int, progress
+from mk.cli.common import (add_step_options, ctx_int, int_list, nonnegative_int, positive_float,
+                           positive_int, progress)
 from mk.errors import UserError
 
 
@@ -43,22 +44,37 @@ def add_parser(sub):
     p.add_argument("--tile", type=str, default=None, help="TKxTN, e.g. 512x512")
     p.add_argument("--ctx", type=ctx_int, default=256, help="cache capacity, a multiple of 128")
     p.add_argument("--layers", type=positive_int, default=None, help="override the config's layer count")
-    p.add_argument("--reference", action="store_true", help="compile the XLA reference instead")
+    p.add_argument("--num-experts", type=positive_int, default=None, help="override the config's routed experts")
+    p.add_argument("--reference", action="store_true",
+                   help="compile the XLA reference (mk.reference_sharded over the same mesh) instead")
     p.add_argument("--force", action="store_true", help="compile even if the plan refuses (VMEM)")
     p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
                    help="routed experts' storage: packed MXFP4 (the checkpoint's format, dequantized in "
                         "VMEM) or bf16 tiles")
+    p.add_argument("--no-vmem-probe", action="store_true",
+                   help="skip the second compile, under a VMEM limit of the plan's budget (vmem_compiler_fits)")
     p.add_argument("--json", action="store_true")
     add_step_options(p)
     p.set_defaults(func=run_aot)
 
-    p = sub.add_parser("compile-time", help="lower + deviceless-compile stacks of several depths")
-    p.add_argument("--config", default="k3-slice")
-    p.add_argument("--layers", default="4,24", help="comma-separated layer counts")
-    p.add_argument("--experts", type=positive_int, default=16, help="override experts (HBM of one core)")
-    p.add_argument("--topology", default="tpu7x:2x2x1")
+    p = sub.add_parser("compile-time", help="lower + deviceless-compile stacks of several depths",
+                       description="Megakernel (and XLA reference) compile time vs depth, each compile in "
+                                   "its own process, killed after --timeout minutes. Exit 0 when every "
+                                   "megakernel compile succeeded.")
+    p.add_argument("--config", default="k3")
+    p.add_argument("--layers", default="4,24,93", help="comma-separated layer counts")
+    p.add_argument("--num-experts", type=positive_int, default=None, help="override the routed experts")
+    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="bf16",
+                   help="routed experts' storage format (bf16 by default: MXFP4 on K3's 32-core layout is not built yet)")
+    p.add_argument("--topology", default="tpu7x:4x4x1")
+    p.add_argument("--mesh", type=positive_int, default=None, metavar="N",
+                   help="cores of --topology to compile for (default: the most that the config divides)")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--reference", action="store_true", help="also compile the XLA reference (slow)")
+    p.add_argument("--reference-layers", default=None,
+                   help="depths for the XLA reference (default: the deepest of --layers)")
+    p.add_argument("--timeout", type=positive_float, default=10.0, metavar="MIN",
+                   help="minutes per compile before it is killed and reported as 'more than MIN min'")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_compile_time)
 
@@ -87,7 +103,7 @@ def _tile(text: str | None):
 def _config(name, layers=None):
     from mk.config import get_config
     cfg = get_config(name)
-    if layers:
+    if layers and layers != cfg.layers:
         cfg = stacked(cfg, layers)
     return cfg
 
@@ -149,15 +165,36 @@ def _finite(x):
     return x
 
 
+def aot_devices(cfg, topology: str, mesh: int | None) -> int:
+    """Cores to compile for: `--mesh`, or the most of `topology`'s that the config divides
+    (`mk.sharding.gcd_devices`: all 32 of tpu7x:4x4x1 for K3)."""
+    if mesh:
+        return mesh
+    from mk.aot import topology_devices
+    from mk.sharding import gcd_devices
+    return gcd_devices(cfg, topology_devices(topology))
+
+
+def _weights_table(plan) -> dict:
+    from mk.aot import kernel_weight_shapes
+    return {k: {"shape_per_device": list(s), "dtype": str(d), "bytes_per_device": int(math.prod(s)) * d.itemsize}
+            for k, (s, d) in kernel_weight_shapes(plan).items()}
+
+
 def run_aot(args) -> int:
-    from mk.aot import compile_kernel, compile_reference
-    from mk.plan import PlanError, make_plan
+    from mk.aot import compile_kernel, compile_reference, hbm_per_core
+    from mk.plan import COMPILER_ALLOWANCE, PlanError, make_plan
     cfg = _config(args.config, args.layers)
+    if args.num_experts:
+        cfg = cfg.replace(experts=args.num_experts, top_k=min(cfg.top_k, args.num_experts))
     chip = _chip(args.topology)
-    out = {"config": args.config, "layers": cfg.layers, "topology": args.topology, "batch": args.batch,
-           "devices": args.mesh or 1}
+    devices = aot_devices(cfg, args.topology, args.mesh)
+    hbm_chip = hbm_per_core(chip)
+    out = {"config": args.config, "layers": cfg.layers, "experts": cfg.experts, "topology": args.topology,
+           "batch": args.batch, "devices": devices}
     if args.reference:
-        r = compile_reference(cfg, args.batch, args.topology, args.ctx)
+        _layout(cfg, devices)                      # a mesh that does not divide the config: error first
+        r = compile_reference(cfg, args.batch, args.topology, args.ctx, devices=devices)
         out.update(program="xla_reference")
     else:
         kw = {}
@@ -167,15 +204,16 @@ def run_aot(args) -> int:
             kw["num_slots"] = args.num_slots
         if args.tile:
             kw["tile"] = _tile(args.tile)
-        plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh),
+        plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, devices),
                          experts=args.experts, **kw)
         out.update(program="megakernel", experts=plan.experts, expert_bytes=plan.expert_bytes,
                    routed_expert_bytes_per_step=plan.routed_expert_bytes_per_step(),
                    collectives_per_step=plan.collectives_per_step,
                    remote_bytes_per_step=plan.remote_bytes_per_step,
-                   pallas_calls_per_step=1, vmem_planned_bytes=plan.vmem_planned_bytes,
+                   vmem_planned_bytes=plan.vmem_planned_bytes,
+                   vmem_planned_buffers_bytes=plan.vmem_planned_bytes - COMPILER_ALLOWANCE,
                    vmem_limit_bytes=plan.vmem_limit, prefetch_depth=plan.prefetch_depth,
-                   num_slots=plan.num_slots, tile=[plan.tile_k, plan.tile_n])
+                   num_slots=plan.num_slots, tile=[plan.tile_k, plan.tile_n], weights=_weights_table(plan))
         try:
             plan.check_vmem()
             out["plan_fits"] = True
@@ -186,9 +224,22 @@ def run_aot(args) -> int:
                 out.update(compiled=False, compile_s=0.0, error=str(e))
                 _print(out, args.json)
                 return 2
-        r = compile_kernel(plan, args.topology)
+        r = compile_kernel(plan, args.topology, probe_vmem=not args.no_vmem_probe)
+        if r.vmem_check is not None:
+            out.update(vmem_compiler_limit_bytes=r.vmem_check["limit_bytes"], vmem_compiler_fits=r.vmem_check["fits"],
+                       vmem_compiler_error=r.vmem_check["error"])
+    hbm = r.hbm_bytes if r.compiled else r.hbm_required_bytes
     out.update(compiled=r.compiled, compile_s=round(r.compile_s, 3), lower_s=round(r.lower_s, 3),
-               error=r.error, memory=r.memory)
+               total_s=round(r.total_s, 3), error=r.error, pallas_calls_per_step=r.pallas_calls,
+               hbm_chip_bytes_per_device=int(hbm_chip),
+               hbm_argument_bytes_per_device=r.argument_bytes,
+               hbm_bytes_per_device=hbm,
+               hbm_source=("compiled.memory_analysis(): arguments + outputs - aliased + temporaries" if r.compiled
+                           else "the compiler's out-of-HBM message (required)" if hbm is not None else None),
+               hbm_compiler_available_bytes=r.hbm_available_bytes,
+               hbm_within_budget=(hbm <= hbm_chip if hbm is not None and r.hbm_available_bytes is None
+                                  else False if hbm is not None else None),
+               memory=r.memory)
     _print(out, args.json)
     return 0 if r.compiled else 1
 
@@ -198,54 +249,157 @@ def _print(out, as_json):
         print(json.dumps(out, indent=1))
     else:
         for k, v in out.items():
-            print(f"{k:>20}: {v}")
+            if k == "weights":
+                for name, w in v.items():
+                    print(f"{'weights.' + name:>28}: {w['dtype']}{w['shape_per_device']} per device, "
+                          f"{w['bytes_per_device'] / 2**30:.2f} GiB")
+                continue
+            if isinstance(v, int) and ("bytes" in k):
+                v = f"{v} ({v / 2**30:.2f} GiB)" if v >= 2**30 else f"{v} ({v / 2**20:.2f} MiB)"
+            print(f"{k:>28}: {v}")
 
 
-def compile_times(config: str, layers, *, experts=None, topology="tpu7x:2x2x1", batch=1, reference=False,
-                  show_progress: bool = False):
-    """[{layers, program, lower_s, compile_s, total_s, compiled}] for each depth (measured here,
-    deviceless: the TPU compiler running on this CPU)."""
+def _compile_row_in_process(cfg, program, topology, batch, devices, chip, expert_format="bf16"):
     from mk.aot import compile_kernel, compile_reference
     from mk.plan import make_plan
+    if program == "xla_reference":
+        r = compile_reference(cfg, batch, topology, devices=devices)
+    else:
+        r = compile_kernel(make_plan(cfg, batch, chip=chip, layout=_layout(cfg, devices), experts=expert_format), topology)
+    return {"compiled": r.compiled, "timed_out": False, "lower_s": round(r.lower_s, 3),
+            "compile_s": round(r.compile_s, 3), "total_s": round(r.total_s, 3), "error": r.error,
+            "pallas_calls": r.pallas_calls}
+
+
+def _compile_row_subprocess(config: str, layers: int, experts, program, topology, batch, devices, timeout_s,
+                            expert_format: str = "bf16"):
+    """One `mk aot --json` in its own process group, killed after timeout_s (a compile that
+    does not finish is a result: `timed_out`, `more_than_s`)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    cmd = [sys.executable, "-m", "mk", "aot", "--config", config, "--layers", str(layers), "--topology", topology,
+           "--batch", str(batch), "--mesh", str(devices), "--json", "--no-vmem-probe"]
+    if experts:
+        cmd += ["--num-experts", str(experts)]
+    cmd += ["--experts", expert_format]
+    if program == "xla_reference":
+        cmd.append("--reference")
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"compiled": None, "timed_out": True, "lower_s": None, "compile_s": None, "total_s": None,
+                "more_than_s": timeout_s, "error": f"killed after {timeout_s / 60:g} min", "pallas_calls": None,
+                "wall_s": round(time.perf_counter() - t, 1)}
+    try:
+        r = json.loads(stdout)
+    except ValueError:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        return {"compiled": False, "timed_out": False, "lower_s": None, "compile_s": None, "total_s": None,
+                "error": f"mk aot exited {proc.returncode}: {tail}", "pallas_calls": None,
+                "wall_s": round(time.perf_counter() - t, 1)}
+    return {"compiled": r["compiled"], "timed_out": False, "lower_s": r["lower_s"], "compile_s": r["compile_s"],
+            "total_s": r["total_s"], "error": r["error"], "pallas_calls": r["pallas_calls_per_step"],
+            "hbm_bytes_per_device": r["hbm_bytes_per_device"], "hbm_within_budget": r["hbm_within_budget"],
+            "wall_s": round(time.perf_counter() - t, 1)}
+
+
+def compile_times(config, layers, *, experts=None, expert_format="bf16", topology="tpu7x:2x2x1", batch=1, reference=False,
+                  reference_layers=None, mesh: int | None = None, timeout_s: float | None = None,
+                  show_progress: bool = False):
+    """[{layers, program, devices, lower_s, compile_s, total_s, compiled, timed_out, ...}] for
+    each depth (measured here, deviceless: the TPU compiler running on this CPU).
+
+    config: a preset name or checkpoint directory (or a K3Config, in process only). mesh: cores of
+    `topology` (default: the most the config divides). reference: also the XLA reference, at
+    `reference_layers` (default: every depth). timeout_s: run each compile in its own process and
+    kill it after that long (its row then says `timed_out`, `more_than_s`); None: in this process.
+    A compile the compiler refuses (e.g. out of HBM) still has its time: the time to the verdict.
+    """
+    from mk.config import K3Config
     chip = _chip(topology)
+    base = _config(config)
+    if experts:
+        base = base.replace(experts=experts, top_k=min(base.top_k, experts))
+    devices = aot_devices(base, topology, mesh)
+    if timeout_s is not None and isinstance(config, K3Config):
+        raise UserError("compile_times: a timeout runs each compile in its own process, which needs the "
+                        "config by name or checkpoint directory")
+    ref_layers = list(layers) if reference_layers is None else list(reference_layers)
     cfgs = []
-    for L in layers:                       # every config first: a bad one fails before any compile
-        cfg = _config(config, L)
-        if experts:
-            cfg = cfg.replace(experts=experts, top_k=min(cfg.top_k, experts))
+    for L in sorted(set(layers) | (set(ref_layers) if reference else set())):   # every config first
+        cfg = _config(base, L)
+        _layout(cfg, devices)
         cfgs.append((L, cfg))
-    jobs = []
-    for L, cfg in cfgs:
-        jobs.append((L, "megakernel", lambda cfg=cfg: compile_kernel(make_plan(cfg, batch, chip=chip), topology)))
-        if reference:
-            jobs.append((L, "xla_reference", lambda cfg=cfg: compile_reference(cfg, batch, topology)))
+    jobs = [(L, "megakernel", cfg) for L, cfg in cfgs if L in layers]
+    if reference:
+        jobs += [(L, "xla_reference", cfg) for L, cfg in cfgs if L in ref_layers]
     rows = []
     bar = progress(jobs, desc="compile", unit="program", enabled=show_progress)
-    for L, name, fn in bar:
+    for L, name, cfg in bar:
         bar.set_postfix_str(f"{name} layers={L}")
-        r = fn()
-        rows.append({"layers": L, "program": name, "compiled": r.compiled, "lower_s": round(r.lower_s, 3),
-                     "compile_s": round(r.compile_s, 3), "total_s": round(r.lower_s + r.compile_s, 3),
-                     "error": r.error})
+        if timeout_s is None:
+            r = _compile_row_in_process(cfg, name, topology, batch, devices, chip, expert_format)
+        else:
+            r = _compile_row_subprocess(config, L, experts, name, topology, batch, devices, timeout_s, expert_format)
+        rows.append({"layers": L, "program": name, "devices": devices, **r})
     return rows
+
+
+def compile_time_summary(rows) -> dict:
+    """Per program: deepest / shallowest total time (None unless both compiled: a compile that
+    timed out or that the compiler refused, e.g. out of HBM before Mosaic ran, has no comparable time)."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["program"], []).append(r)
+    out = {}
+    for p, rs in by.items():
+        rs = sorted(rs, key=lambda r: r["layers"])
+        a, b = rs[0]["total_s"], rs[-1]["total_s"]
+        both = rs[0]["compiled"] and rs[-1]["compiled"] and len(rs) > 1   # a refusal's time is no compile time
+        out[p] = {"shallowest": rs[0]["layers"], "deepest": rs[-1]["layers"],
+                  "ratio_deepest_vs_shallowest": b / a if both else None,
+                  "max_total_s": max((r["total_s"] for r in rs if r["total_s"] is not None), default=None),
+                  "all_finished": all(not r["timed_out"] for r in rs)}
+    return out
+
+
+def _seconds(r) -> str:
+    if r["timed_out"]:
+        return f"more than {r['more_than_s'] / 60:g} min"
+    return "-" if r["total_s"] is None else f"{r['total_s']:.1f} s"
 
 
 def run_compile_time(args) -> int:
     layers = int_list(args.layers, "--layers", low=1)
-    rows = compile_times(args.config, layers, experts=args.experts, topology=args.topology,
-                         batch=args.batch, reference=args.reference, show_progress=True)
-    by = {}
-    for r in rows:
-        by.setdefault(r["program"], []).append(r)
-    ratios = {p: rs[-1]["total_s"] / max(rs[0]["total_s"], 1e-9) for p, rs in by.items()}
-    out = {"config": args.config, "topology": args.topology, "measured": "deviceless TPU compile on this CPU",
-           "runs": rows, "ratio_deepest_vs_shallowest": ratios}
+    ref_layers = int_list(args.reference_layers, "--reference-layers", low=1) if args.reference_layers else [max(layers)]
+    rows = compile_times(args.config, layers, experts=args.num_experts, expert_format=args.experts,
+                         topology=args.topology, batch=args.batch,
+                         reference=args.reference, reference_layers=ref_layers, mesh=args.mesh,
+                         timeout_s=args.timeout * 60, show_progress=True)
+    summary = compile_time_summary(rows)
+    out = {"config": args.config, "topology": args.topology, "devices": rows[0]["devices"], "batch": args.batch,
+           "timeout_s": args.timeout * 60, "measured": "deviceless TPU compile on this CPU, one process per compile",
+           "runs": rows, "summary": summary}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
+        print(f"{args.config} on {args.topology} ({rows[0]['devices']} cores), batch {args.batch}; "
+              f"lower + compile, deviceless on this CPU")
+        print(f"{'program':>14} {'layers':>6} {'lower':>9} {'compile':>9} {'total':>18}  verdict")
         for r in rows:
-            print(f"{r['program']:>14} layers={r['layers']:>3}  lower {r['lower_s']:7.2f} s  "
-                  f"compile {r['compile_s']:7.2f} s  total {r['total_s']:7.2f} s  ok={r['compiled']}")
-        for p, q in ratios.items():
-            print(f"{p}: deepest / shallowest = {q:.2f}x")
-    return 0 if all(r["compiled"] for r in rows) else 1
+            lo = "-" if r["lower_s"] is None else f"{r['lower_s']:.1f} s"
+            co = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f} s"
+            verdict = ("timed out" if r["timed_out"] else "compiled" if r["compiled"]
+                       else f"refused: {(r['error'] or '')[:90]}")
+            print(f"{r['program']:>14} {r['layers']:>6} {lo:>9} {co:>9} {_seconds(r):>18}  {verdict}")
+        for p, s in summary.items():
+            if s["ratio_deepest_vs_shallowest"] is not None:
+                print(f"{p}: {s['deepest']} layers / {s['shallowest']} layers = {s['ratio_deepest_vs_shallowest']:.2f}x")
+    return 0 if all(r["compiled"] for r in rows if r["program"] == "megakernel") else 1
