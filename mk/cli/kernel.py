@@ -206,7 +206,7 @@ def run_aot(args) -> int:
             kw["tile"] = _tile(args.tile)
         plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, devices),
                          experts=args.experts, **kw)
-        out.update(program="megakernel", experts=plan.experts, expert_bytes=plan.expert_bytes,
+        out.update(program="megakernel", expert_format=plan.experts, expert_bytes=plan.expert_bytes,
                    routed_expert_bytes_per_step=plan.routed_expert_bytes_per_step(),
                    collectives_per_step=plan.collectives_per_step,
                    remote_bytes_per_step=plan.remote_bytes_per_step,
