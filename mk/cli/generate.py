@@ -182,15 +182,22 @@ def run(args) -> int:
             bar.close()
     if not is_main_process():                               # multi-process: process 0 reports
         return 0
+    return _print_result(args, res, prompt, tokenizer, {
+        "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
+        "mesh": None if mesh is None else mesh.size,
+        "batch": args.batch, "ctx": ctx, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed})
+
+
+def _print_result(args, res: dict, prompt, tokenizer, fields: dict) -> int:
+    """Print the generated rows (and their text), or with --json one object: tokens, prompt,
+    timings from `res`, then `fields`."""
+    import numpy as np
     rows = [[int(t) for t in row] for row in np.asarray(res["tokens"])]
     texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
     if args.json:
-        out = {"tokens": rows, "prompt_tokens": prompt,
-               "prefill_s": res["prefill_s"], "decode_s": res["decode_s"], "tokens_per_s": res["tokens_per_s"],
-               "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
-               "mesh": None if mesh is None else mesh.size,
-               "batch": args.batch, "ctx": ctx, "max_new_tokens": args.max_new_tokens,
-               "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+        out = {"tokens": rows, "prompt_tokens": prompt, "prefill_s": res["prefill_s"], "decode_s": res["decode_s"],
+               "tokens_per_s": res["tokens_per_s"], **fields}
         if texts is not None:
             out["text"] = texts
         print(json.dumps(out))
@@ -223,28 +230,15 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
                                args.max_new_tokens, mkdrafter.DSparkDrafter(dcfg, weights), args.speculative,
                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=args.ctx,
                                fixed_acceptance=args.fixed_acceptance_length)
-    rows = [[int(t) for t in row] for row in res["tokens"]]
-    texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
-    if args.json:
-        out = {"tokens": rows, "prompt_tokens": prompt, "prefill_s": res["prefill_s"], "decode_s": res["decode_s"],
-               "tokens_per_s": res["tokens_per_s"], "device": jax.devices()[0].platform,
-               "speculative": args.speculative, "drafter": args.drafter,
-               "fixed_acceptance_length": args.fixed_acceptance_length,
-               "acceptance_lengths": res["acceptance"], "mean_acceptance_length": res["mean_acceptance"],
-               "tokens_per_step": res["tokens_per_step"], "steps": res["steps"],
-               "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
-               "batch": args.batch, "ctx": res["ctx"], "max_new_tokens": args.max_new_tokens,
-               "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
-        if texts is not None:
-            out["text"] = texts
-        print(json.dumps(out))
-    else:
-        for i, row in enumerate(rows):
-            print(" ".join(map(str, row)))
-            if texts is not None:
-                print(texts[i])
-    sys.stdout.flush()
-    return 0
+    return _print_result(args, res, prompt, tokenizer, {
+        "device": jax.devices()[0].platform,
+        "speculative": args.speculative, "drafter": args.drafter,
+        "fixed_acceptance_length": args.fixed_acceptance_length,
+        "acceptance_lengths": res["acceptance"], "mean_acceptance_length": res["mean_acceptance"],
+        "tokens_per_step": res["tokens_per_step"], "steps": res["steps"],
+        "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
+        "batch": args.batch, "ctx": res["ctx"], "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed})
 
 
 def add_parser(subparsers):
