@@ -107,7 +107,7 @@ def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_l
         if l in aux_layers:
             aux.append(p)
         lw = layer_slice(params["layer"], l)
-        x = mix(p, blocks[:cfg.n_attn_blocks(l)], lw["attn_res"], cfg.eps)
+        x = mix(p, blocks[:cfg.n_attn_blocks(l)], lw["attn_res"], cfg.eps, cfg.n_blocks)
         if cfg.starts_block(l):
             blocks.append(p)
         a = rows(rows_padded(rms, x, lw["attn_norm"], cfg.eps))
@@ -120,7 +120,7 @@ def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_l
                                                           conv_state[:, i], cfg)
         y = y.reshape(B * T, -1)
         p = y if cfg.starts_block(l) else bf(p + y)
-        x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps)
+        x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps, cfg.n_blocks)
         m = rows_padded(rms, x, lw["ffn_norm"], cfg.eps)
         z = dense_mlp(m, params["dense"], cfg) if l == 0 else moe(m, layer_slice(params["moe"], l - 1), cfg)
         p = bf(p + z)

@@ -198,7 +198,7 @@ def _step_local(params, cache, tokens, *, cfg: K3Config, n: int, ep: int):
     routing = []
     for l in range(cfg.layers):
         lw = layer_slice(params["layer"], l)
-        x = mix(p, blocks[:cfg.n_attn_blocks(l)], lw["attn_res"], cfg.eps)
+        x = mix(p, blocks[:cfg.n_attn_blocks(l)], lw["attn_res"], cfg.eps, cfg.n_blocks)
         if cfg.starts_block(l):
             blocks.append(p)
         a = rows_padded(rms, x, lw["attn_norm"], cfg.eps)
@@ -210,7 +210,7 @@ def _step_local(params, cache, tokens, *, cfg: K3Config, n: int, ep: int):
             y, s_i, c_i = _kda_local(a, layer_slice(params["kda"], i), kda_state[:, i], conv_state[:, i], lcfg)
             kda_state, conv_state = kda_state.at[:, i].set(s_i), conv_state.at[:, i].set(c_i)
         p = y if cfg.starts_block(l) else bf(p + y)
-        x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps)
+        x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps, cfg.n_blocks)
         m = rows_padded(rms, x, lw["ffn_norm"], cfg.eps)
         if l == 0:
             z = _dense_local(m, params["dense"], cfg)

@@ -6,13 +6,16 @@ reduction is bf16, summed in fp32 in rank order on both sides) and, inside a ran
 summation orders (one head of one row at a time, 128-slot softmax blocks, 512-deep matmul chunks;
 the routed experts expert by expert on all rows, on the kernel's gathered latent layout and tile
 shapes: on one device the kernel equals `mk.reference` bit for bit, tests/test_kernel_paths.py).
-On a mesh a value still rarely moves by a bf16 ulp after a few steps and propagates (measured,
-mini-tp8, 8 steps: 8 devices B = 1 and 8 bit-exact to step 2, 4 devices B = 4 to step 1, 2
-devices B = 2 to step 4; the first difference is inside layer 1 of one row). So: the first step
-bit-exact; over all steps logits within 0.05 x the logit std (measured worst 0.025), greedy tokens
-equal except at reference near-ties (mk.check.NEAR_TIE; measured one flip at margin 0.0007),
-caches within 2 bf16 ulps of each array's scale (its max |value|; measured: the bf16 caches within
-1.0, the fp32 KDA state within 0.67 on 8 and 4 devices and 1.13 on 2 devices at B = 2).
+The AttnRes mix runs over every snapshot slot (unused ones masked) on both sides: the same
+expression, so XLA fuses and rounds it alike (over only the live blocks, the reference rounded
+one element differently at step 5 on 2 devices, which then propagated). On a mesh a value still
+rarely moves by a bf16 ulp after a few steps and propagates (measured, mini-tp8, 8 steps,
+`mk check --mesh N --batch B --steps 8`: 2 devices B = 2 bit-exact at every step, 4 devices B = 4
+to step 1, 8 devices B = 1 and 8 to step 2). So: the first step bit-exact; over all steps logits
+within 0.05 x the logit std (measured worst 0.022 absolute), greedy tokens equal except at
+reference near-ties (mk.check.NEAR_TIE; measured one flip at margin 0.0007), caches within 1 bf16
+ulp of each array's scale (its max |value|; measured worst: mla_v 1.0, mla_k 0.54, conv_state
+0.06, the fp32 KDA state 0).
 """
 import pytest
 
@@ -21,7 +24,7 @@ from mk.check import MAX_FLIPS, NEAR_TIE, check
 from mk.config import get_config
 
 LOGIT_REL_TOL = 0.05      # x the reference logits' std
-CACHE_ULPS = 2            # caches: |kernel - reference| <= this many bf16 ulps of the array's scale
+CACHE_ULPS = 1            # caches: |kernel - reference| <= this many bf16 ulps of the array's scale
 
 
 @pytest.fixture(scope="module")

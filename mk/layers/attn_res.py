@@ -45,9 +45,15 @@ def mix_candidates(cands: Sequence[jax.Array], w: jax.Array, eps: float,
     return bf(out)
 
 
-def mix(p: jax.Array, blocks: Sequence[jax.Array], w: jax.Array, eps: float) -> jax.Array:
+def mix(p: jax.Array, blocks: Sequence[jax.Array], w: jax.Array, eps: float, slots: int | None = None) -> jax.Array:
     """Mix(p, b_0..b_{n-1}; w): candidates (b_0, ..., b_{n-1}, p), p [B, d] bf16 -> [B, d] bf16.
 
-    Rows are padded to the row tile for the reductions (see `common.rows_padded`)."""
-    cands = [pad_rows(f32(b)) for b in blocks] + [pad_rows(f32(p))]
-    return mix_candidates(cands, w, eps)[:p.shape[0]]
+    slots: evaluate over this many snapshot slots, the ones past n zero and masked (weight exactly
+    0), as the kernel does with its fixed slot array. Same value, and the same expression, so XLA
+    fuses (and rounds) it the same way. Rows are padded to the row tile (`common.rows_padded`)."""
+    n = len(blocks)
+    slots = n if slots is None else slots
+    pf = pad_rows(f32(p))
+    cands = [pad_rows(f32(b)) for b in blocks] + [jnp.zeros_like(pf)] * (slots - n) + [pf]
+    valid = [True] * n + [False] * (slots - n) + [True]
+    return mix_candidates(cands, w, eps, valid)[:p.shape[0]]
