@@ -373,6 +373,11 @@ class Plan:
         return round_up(self.config.latent // self.devices, 128)
 
     @property
+    def latent_offsets(self) -> tuple[int, ...]:
+        """Lane of each rank's latent slice inside its block (`latent_offsets`)."""
+        return latent_offsets(self.config.latent, self.devices)
+
+    @property
     def latent_padded(self) -> int:
         """Width of the gathered latent vector: N blocks of `latent_block` (= latent on one device
         when latent is a multiple of 128)."""
@@ -785,6 +790,20 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
     return plan
 
 
+def latent_offsets(latent: int, devices: int) -> tuple[int, ...]:
+    """Lane at which rank r's latent slice (features r * per .. (r + 1) * per, per = latent /
+    devices) starts inside its `round_up(per, 128)`-lane block of the gathered latent vector:
+    (r * per) mod MX_GROUP. Then every 32-lane group of the padded layout holds features of exactly
+    one 32-feature group of the unpadded latent (plus zero lanes), so an MXFP4 expert weight whose
+    contraction axis is the latent keeps its E8M0 scales as they are: each padded group takes its
+    one source group's scale (K3 on 32 devices: per = 112, offsets 0 and 16). All 0 when per is a
+    multiple of 32, and when a shifted slice would overrun its block (MXFP4 experts are then
+    refused, `_check_mxfp4`)."""
+    per = latent // devices
+    offs = tuple((r * per) % MX_GROUP for r in range(devices))
+    return offs if max(offs) + per <= round_up(per, 128) else (0,) * devices
+
+
 def _matrix(name, k, parts, tk, tn, head_pads=None, fmt="bf16") -> Matrix:
     placed, off = [], 0
     for i, (src, width) in enumerate(parts):
@@ -799,11 +818,18 @@ def _check_mxfp4(cfg: K3Config, tk: int, lay: Layout):
     if tk % (MX_GROUP * CODES_PER_WORD):
         raise PlanError(f"MXFP4 experts need tile_k to be a multiple of {MX_GROUP * CODES_PER_WORD} "
                         f"(8 code blocks of whole 32-row scale groups), found {tk}")
-    for what, width in (("latent / devices", cfg.latent // lay.devices),
-                        ("expert_hidden / tp_expert", cfg.expert_hidden // lay.tp_expert)):
+    for what, width in (("latent", cfg.latent), ("expert_hidden / tp_expert", cfg.expert_hidden // lay.tp_expert)):
         if width % MX_GROUP:
             raise PlanError(f"MXFP4 experts: {what} = {width} is not a multiple of the scale group "
                             f"{MX_GROUP} (a group would straddle two devices' shares)")
+    n = lay.devices
+    per = cfg.latent // n
+    if per % MX_GROUP and not any(latent_offsets(cfg.latent, n)):
+        r = max(range(n), key=lambda r: (r * per) % MX_GROUP)
+        raise PlanError(f"MXFP4 experts: latent / devices = {per} is not a multiple of the scale group "
+                        f"{MX_GROUP}, and rank {r}'s slice, placed at lane {(r * per) % MX_GROUP} of its "
+                        f"{round_up(per, 128)}-lane block so that no scale group straddles two ranks' "
+                        f"blocks, would overrun the block (use experts='bf16' or another mesh)")
 
 
 def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
@@ -852,9 +878,12 @@ def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
 # --------------------------------------------------------------------------------------------
 # Laying the weights out in stream order (host side, once per plan)
 # --------------------------------------------------------------------------------------------
-def _dense_matrix(params: dict, cfg: K3Config, m: Matrix, layer: int) -> np.ndarray:
-    """The [k_pad, n_pad] bf16 (as float32 values) matrix `m` of `layer`, fused and zero padded."""
+def _dense_matrix(params: dict, cfg: K3Config, m: Matrix, layer: int, latent_offset: int = 0) -> np.ndarray:
+    """The [k_pad, n_pad] bf16 (as float32 values) matrix `m` of `layer`, fused and zero padded.
+    `latent_offset`: this rank's `latent_offsets` entry; latent_down's columns and latent_up's rows
+    start that many lanes into their block."""
     out = np.zeros((m.k_pad, m.n_pad), np.float32)
+    row = latent_offset if m.name == "moe.latent_up" else 0
     for p in m.parts:
         fam, key = p.source
         if fam == "lm_head":
@@ -868,7 +897,8 @@ def _dense_matrix(params: dict, cfg: K3Config, m: Matrix, layer: int) -> np.ndar
         if p.head_pad:
             h, src, dst = p.head_pad
             w = np.pad(w.reshape(w.shape[0], h, src), ((0, 0), (0, 0), (0, dst - src))).reshape(w.shape[0], h * dst)
-        out[:w.shape[0], p.offset:p.offset + w.shape[1]] = w
+        col = p.offset + (latent_offset if p.source == ("moe", "latent_down") else 0)
+        out[row:row + w.shape[0], col:col + w.shape[1]] = w
     return out
 
 
@@ -880,13 +910,14 @@ def tile_matrix(w: np.ndarray, tk: int, tn: int) -> np.ndarray:
 
 def to_latent_blocks(x: np.ndarray, plan: Plan, axis: int) -> np.ndarray:
     """Lay the latent axis (length `latent`) of x out as the kernel's gathered latent vector:
-    `devices` blocks of `latent_block` lanes, block j holding latent features of rank j's slice."""
-    N, lb = plan.devices, plan.latent_block
+    `devices` blocks of `latent_block` lanes, block j holding rank j's slice from lane
+    `latent_offsets[j]` on, zeros elsewhere."""
+    N, lb, offs = plan.devices, plan.latent_block, plan.latent_offsets
     x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
     per = x.shape[-1] // N
     out = np.zeros(x.shape[:-1] + (N * lb,), np.float32)
     for j in range(N):
-        out[..., j * lb:j * lb + per] = x[..., j * per:(j + 1) * per]
+        out[..., j * lb + offs[j]:j * lb + offs[j] + per] = x[..., j * per:(j + 1) * per]
     return np.moveaxis(out, -1, axis)
 
 
@@ -912,14 +943,15 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
     if not plan.layout.single:
         params = local_params(params, plan.layout, rank)
     tiles = []
+    off = plan.latent_offsets[rank]
     for s in plan.streams:
         layer = s.layer
         for m in s.pre + s.post:
-            tiles.append(tile_matrix(_dense_matrix(params, cfg, m, layer), plan.tile_k, plan.tile_n))
+            tiles.append(tile_matrix(_dense_matrix(params, cfg, m, layer, off), plan.tile_k, plan.tile_n))
     tiles = np.concatenate(tiles).astype(ml_dtypes.bfloat16)
     assert tiles.shape[0] == plan.dense_tiles
 
-    out = {"tiles": tiles, "vectors": pack_vectors(plan, params)}
+    out = {"tiles": tiles, "vectors": pack_vectors(plan, params, rank)}
     if plan.experts == "mxfp4":
         out.update(_pack_mxfp4_experts(plan, params))
     else:
@@ -1023,11 +1055,15 @@ def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
     gu, dn = plan.expert_gu, plan.expert_down
     tk, tn, E = plan.tile_k, plan.tile_n, plan.local_experts
     fe = cfg.expert_hidden // plan.layout.tp_expert
-    N, lb, per = plan.devices, plan.latent_block, cfg.latent // plan.devices
+    N, lb, per, offs = plan.devices, plan.latent_block, cfg.latent // plan.devices, plan.latent_offsets
     T = plan.expert_tiles
     codes_out = np.empty((cfg.n_moe, E, T, gu.code_rows, tn), np.int32)
     scales_out = np.empty((cfg.n_moe, E, T, gu.scale_rows, tn), np.int32)
-    g_per, g_lb = per // MX_GROUP, lb // MX_GROUP
+    g_lb = lb // MX_GROUP
+    # rank j's slice lands at lane offs[j] of block j: padded group j * g_lb + q holds rows of the
+    # one source group (j * per - offs[j]) / 32 + q (and zeros), so it takes that group's scale
+    blocks = [(j * lb + offs[j], j * per, j * g_lb, (j * per - offs[j]) // MX_GROUP,
+               -(-(offs[j] + per) // MX_GROUP)) for j in range(N)]
     for i in range(cfg.n_moe):
         for k in ("w1", "w3", "w2"):
             check_kernel_scales(leaves[k]["scale"][i], f"moe.{k} (MoE layer {i + 1})")
@@ -1037,16 +1073,16 @@ def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
             c = mxfp4_codes_kn(leaves[key]["packed"][i])                          # [E, latent, fe]
             sc = np.swapaxes(np.asarray(leaves[key]["scale"][i], np.uint8), -1, -2)   # [E, latent/32, fe]
             off = gu.part(key).offset
-            for j in range(N):                                                    # latent rank blocks
-                a[:, j * lb:j * lb + per, off:off + fe] = c[:, j * per:(j + 1) * per]
-                sa[:, j * g_lb:j * g_lb + g_per, off:off + fe] = sc[:, j * g_per:(j + 1) * g_per]
+            for dst, src, gdst, gsrc, ng in blocks:                               # latent rank blocks
+                a[:, dst:dst + per, off:off + fe] = c[:, src:src + per]
+                sa[:, gdst:gdst + ng, off:off + fe] = sc[:, gsrc:gsrc + ng]
         b = np.zeros((E, dn.k_pad, dn.n_pad), np.uint8)
         sb = np.full((E, dn.k_pad // MX_GROUP, dn.n_pad), MXFP4_PAD_SCALE, np.uint8)
         c = mxfp4_codes_kn(leaves["w2"]["packed"][i])                             # [E, fe, latent]
         sc = np.swapaxes(np.asarray(leaves["w2"]["scale"][i], np.uint8), -1, -2)   # [E, fe/32, latent]
-        for j in range(N):
-            b[:, :fe, j * lb:j * lb + per] = c[:, :, j * per:(j + 1) * per]
-            sb[:, :fe // MX_GROUP, j * lb:j * lb + per] = sc[:, :, j * per:(j + 1) * per]
+        for dst, src, *_ in blocks:
+            b[:, :fe, dst:dst + per] = c[:, :, src:src + per]
+            sb[:, :fe // MX_GROUP, dst:dst + per] = sc[:, :, src:src + per]
         for m, (cm, sm) in ((gu, (a, sa)), (dn, (b, sb))):
             start = 0 if m is gu else gu.tiles
             codes_out[i, :, start:start + m.tiles], scales_out[i, :, start:start + m.tiles] = \
@@ -1054,14 +1090,15 @@ def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
     return {"expert_codes": codes_out, "expert_scales": scales_out}
 
 
-def pack_vectors(plan: Plan, params: dict) -> np.ndarray:
+def pack_vectors(plan: Plan, params: dict, rank: int = 0) -> np.ndarray:
+    """Rank's per-layer vector table [L + 1, rows, width] f32 (`params`: its share)."""
     cfg = plan.config
     rows = vector_rows(cfg)
     v = np.zeros((cfg.layers + 1, len(rows), plan.vector_width), np.float32)
 
-    def put(l, name, x):
+    def put(l, name, x, at=0):
         x = np.asarray(x, np.float32).reshape(-1)
-        v[l, rows[name], :x.size] = x
+        v[l, rows[name], at:at + x.size] = x
 
     for l in range(cfg.layers):
         for key in ("attn_res", "mlp_res", "attn_norm", "ffn_norm"):
@@ -1081,7 +1118,7 @@ def pack_vectors(plan: Plan, params: dict) -> np.ndarray:
             put(l, "o_norm", k["o_norm"][i])
         if l >= 1:
             put(l, "router_bias", params["moe"]["router_bias"][l - 1])
-            put(l, "latent_norm", params["moe"]["latent_norm"][l - 1])
+            put(l, "latent_norm", params["moe"]["latent_norm"][l - 1], plan.latent_offsets[rank])
     put(cfg.layers, "attn_res", params["output_res"])          # globals live in row set L
     put(cfg.layers, "attn_norm", params["final_norm"])
     return v

@@ -15,7 +15,8 @@ Where the step splits (per rank r of N, ep index g, tp index q):
     KDA / MLA         H/N heads; y = bf(reduce(mm(attn_out_local, o_local)))
     dense MLP         F/N columns; z = bf(reduce(mm(h_local, down_local)))
     MoE latent        Lt/N columns of latent_down, all-gathered (exact concatenation) into the
-                      kernel's layout: N rank blocks, each zero-padded to whole 128-lane tiles
+                      kernel's layout: N rank blocks, each zero-padded to whole 128-lane tiles,
+                      rank j's features from lane mk.plan.latent_offsets(latent, N)[j] on
     routed experts    experts [g E/ep, (g+1) E/ep), FFN slice q of each, expert by expert in
                       ascending id on all rows at once (the kernel's order and tile shapes): each
                       row adds coef * f32(bf(partial down output)), coef = 0 if it did not choose
@@ -45,6 +46,7 @@ from mk.layers.dense_mlp import dense_mlp
 from mk.layers.kda import kda
 from mk.layers.mla import mla
 from mk.layers.moe import route
+from mk.plan import latent_offsets
 from mk.reference import init_cache, layer_slice
 from mk.sharding import ALL
 
@@ -94,12 +96,16 @@ def _dense_local(m, w: dict, cfg: K3Config):
 def _latent_blocks(x, n: int, axis: int):
     """x with its latent axis (length `latent`) laid out as the kernel's gathered latent vector
     (`mk.plan.to_latent_blocks`): n rank blocks of latent / n features, each zero-padded to whole
-    128-lane tiles. The zeros add nothing, but where they sit decides which real terms share a
-    512-deep K chunk of a matmul, so the latent-space math runs on the kernel's layout."""
+    128-lane tiles, rank j's features from lane `mk.plan.latent_offsets(latent, n)[j]` of its block.
+    The zeros add nothing, but where they sit decides which real terms share a 512-deep K chunk of
+    a matmul, so the latent-space math runs on the kernel's layout."""
     x = jnp.moveaxis(x, axis, -1)
     per = x.shape[-1] // n
-    x = jnp.pad(x.reshape(x.shape[:-1] + (n, per)), [(0, 0)] * (x.ndim - 1) + [(0, 0), (0, -per % 128)])
-    return jnp.moveaxis(x.reshape(x.shape[:-2] + (-1,)), -1, axis)
+    block = -(-per // 128) * 128
+    pad = [(0, 0)] * (x.ndim - 1)
+    x = jnp.concatenate([jnp.pad(x[..., j * per:(j + 1) * per], pad + [(o, block - o - per)])
+                         for j, o in enumerate(latent_offsets(n * per, n))], axis=-1)
+    return jnp.moveaxis(x, -1, axis)
 
 
 def _tiled_mm(x, w):
@@ -163,7 +169,10 @@ def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):
     mine = jax.lax.dynamic_slice_in_dim(r_sum, r * block, block, axis=1)      # this rank's rows of latent_up
     gamma = jax.lax.dynamic_slice_in_dim(_latent_blocks(gamma, n, axis=0), r * block, block)
     r_n = bf(mine / inv * gamma)
-    z_routed = mm(r_n, _latent_blocks(w["latent_up"], 1, axis=0))
+    up = w["latent_up"]                                          # [latent / n, d]: rows at the block's offset
+    at = jnp.asarray(latent_offsets(cfg.latent, n), jnp.int32)[r]
+    up = jax.lax.dynamic_update_slice(jnp.zeros((block, up.shape[1]), up.dtype), up, (at, jnp.int32(0)))
+    z_routed = mm(r_n, up)
     h = situ(bf(mm(m, w["shared_gate"])), bf(mm(m, w["shared_up"])), cfg.situ_beta, cfg.situ_linear_beta)
     z_shared = mm(h, w["shared_down"])
     return bf(reduce_bf16(z_routed + z_shared)), (ids, _route_margin(m, w, cfg.top_k))

@@ -187,6 +187,20 @@ def test_kernel_backend_dispatches_to_mk_kernel(ckpt, tmp_path, monkeypatch):
     assert calls == [(CFG, [1, 2], sorted(shapes(CFG)))] and np.load(out).shape == (2, CFG.vocab)
 
 
+def test_logits_bench_prints_peak_rss_against_the_checkpoint(ckpt, tmp_path, monkeypatch, capsys):
+    """`mk logits --bench --json`: the process's peak RSS and the checkpoint's bytes on disk."""
+    import types
+    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(
+        teacher_forced_logits=lambda params, cfg, tokens, ctx=None: np.zeros((len(tokens), cfg.vocab), np.float32)))
+    capsys.readouterr()
+    assert main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(tmp_path / "l.npy"),
+                 "--backend", "kernel", "--no-progress", "--bench", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["backend"] == "kernel" and res["checkpoint_bytes"] == ck.checkpoint_bytes(ckpt[0])
+    assert 0 < res["rss_before_bytes"] <= res["peak_rss_bytes"]
+    assert res["peak_rss_over_checkpoint"] == res["peak_rss_bytes"] / res["checkpoint_bytes"]
+
+
 def test_kernel_backend_missing_is_a_clear_error(ckpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "mk.kernel", None)  # import mk.kernel -> ModuleNotFoundError
     rc = main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(tmp_path / "l.npy"),

@@ -124,3 +124,80 @@ def test_scale_bytes_the_kernel_cannot_dequantize_exactly_are_refused():
     with pytest.raises(PlanError, match="needs the routed experts as MXFP4"):
         from mk import params
         plan_mod.pack_weights(make_plan(cfg, 1, experts="mxfp4"), params.init(cfg, 0))
+
+
+def _unpack_tiles(codes, scales, m):
+    """Inverse of `pack_mxfp4_tiles` for one matrix (numpy): int32 words [T, tk/8, tn], [T, tk/128, tn]
+    -> E2M1 codes u8 [k_pad, n_pad] and E8M0 bytes u8 [k_pad / 32, n_pad]."""
+    tk, tn = m.tile_k, m.tile_n
+
+    def unwords(w, per, bits):                # [T, r, tn] -> [T, per * r, tn]
+        w = np.asarray(w).view(np.uint32)
+        return np.concatenate([(w >> np.uint32(bits * j)) & np.uint32((1 << bits) - 1) for j in range(per)],
+                              axis=1).astype(np.uint8)
+
+    def untile(x):                            # [nt * kt, rows, tn] (column block major) -> [kt * rows, nt * tn]
+        x = x.reshape(m.n_tiles, m.k_tiles, x.shape[1], tn)
+        return x.transpose(1, 2, 0, 3).reshape(m.k_tiles * x.shape[2], m.n_tiles * tn)
+
+    return untile(unwords(codes, 8, 4)), untile(unwords(scales, 4, 8))
+
+
+def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():
+    """latent / devices = 56 (mini-tp8 with latent 448, 8 devices): a 32-row scale group of w1/w3
+    (K = latent) spans two ranks' slices. Each rank's slice sits at lane (rank * 56) mod 32 of its
+    128-lane block, so every padded 32-row group holds rows of one source group: on every rank the
+    packed tiles (arbitrary scale bytes per group) dequantize to exactly the checkpoint's weights
+    laid out in the gathered latent layout, zeros elsewhere. K3 on 32 devices (112 per rank) plans."""
+    from mk import synth
+    from mk.checkpoint import dequantize_mxfp4
+    from mk.sharding import default_layout, local_params
+    cfg = get_config("mini-tp8").replace(latent=448)
+    lay = default_layout(cfg, 8)
+    plan = make_plan(cfg, 1, experts="mxfp4", layout=lay)
+    per, lb = cfg.latent // 8, plan.latent_block
+    assert per % 32 and plan.latent_offsets == (0, 24, 16, 8) * 2
+    # the layout: block j holds rank j's features contiguously, and each padded 32-lane group's
+    # features come from one source scale group
+    src = plan_mod.to_latent_blocks(np.arange(1, cfg.latent + 1)[None], plan, axis=1)[0].astype(int) - 1
+    assert sorted(src[src >= 0]) == list(range(cfg.latent))
+    for j in range(8):
+        blk = src[j * lb:(j + 1) * lb]
+        assert list(blk[blk >= 0]) == list(range(j * per, (j + 1) * per))
+    for g in src.reshape(-1, 32):
+        assert len(set(g[g >= 0] // 32)) <= 1
+    packed, _ = synth.mxfp4_params(cfg, 1)
+    rng = np.random.default_rng(0)
+    for k in ("w1", "w3", "w2"):                # a different scale in (nearly) every group
+        packed["moe"][k] = dict(packed["moe"][k])
+        packed["moe"][k]["scale"] = rng.integers(110, 140, packed["moe"][k]["scale"].shape, dtype=np.uint8)
+    gu, dn = plan.expert_gu, plan.expert_down
+    fe = cfg.expert_hidden // lay.tp_expert
+    layer = 1
+    for rank in range(8):
+        got = plan_mod.pack_weights(plan, packed, rank=rank)
+        share = local_params(packed, lay, rank)["moe"]
+        w1, w3, w2 = (dequantize_mxfp4(share[k]["packed"][layer], share[k]["scale"][layer]).astype(np.float32)
+                      for k in ("w1", "w3", "w2"))                  # [E_local, K, N]
+        for e in range(plan.local_experts):
+            T = gu.tiles
+            deq = {}
+            for m, sl in ((gu, slice(0, T)), (dn, slice(T, None))):
+                c, s = _unpack_tiles(got["expert_codes"][layer, e, sl], got["expert_scales"][layer, e, sl], m)
+                deq[m.name] = (c.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+                               * np.repeat(s.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), 32, axis=0))
+            want_gu = np.zeros((gu.k_pad, gu.n_pad), np.float32)
+            for key, w in (("w1", w1), ("w3", w3)):
+                o = gu.part(key).offset
+                want_gu[:plan.latent_padded, o:o + fe] = plan_mod.to_latent_blocks(w[e], plan, axis=0)
+            want_dn = np.zeros((dn.k_pad, dn.n_pad), np.float32)
+            want_dn[:fe, :plan.latent_padded] = plan_mod.to_latent_blocks(w2[e], plan, axis=1)
+            np.testing.assert_array_equal(deq["expert.gu"], want_gu, err_msg=f"rank {rank} expert {e} w1|w3")
+            np.testing.assert_array_equal(deq["expert.down"], want_dn, err_msg=f"rank {rank} expert {e} w2")
+    from mk.sharding import default_layout as dl
+    k3 = get_config("k3")
+    assert make_plan(k3, 1, layout=dl(k3, 32), experts="mxfp4", check=False).latent_offsets[:2] == (0, 16)
+    bad = get_config("mini-tp8").replace(latent=960)        # 120 per rank: lane 24 + 120 > 128
+    with pytest.raises(PlanError, match="latent / devices = 120 .* would overrun the block"):
+        make_plan(bad, 1, experts="mxfp4", layout=default_layout(bad, 8))
+    make_plan(bad, 1, experts="bf16", layout=default_layout(bad, 8))

@@ -66,6 +66,21 @@ def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mo
     _assert_close(res)
 
 
+@pytest.mark.slow
+def test_sharded_kernel_mxfp4_latent_slices_at_lane_offsets():
+    """latent / devices = 56 (mini-tp8 with latent 448, 8 devices), not a multiple of the 32-row
+    MXFP4 scale group: rank r's latent slice sits at lane (r * 56) mod 32 of its block (latent_down
+    columns, latent_norm lanes, latent_up rows and the experts' latent rows/columns packed there;
+    `mk.plan.latent_offsets`). One step, B = 1, bit for bit against the sharded reference. (The
+    sharded reference on this config against `mk.reference`, 3 steps, B = 4: logits max |err|
+    0.036, mean 0.006, inside tests/test_reference_sharded.py's tolerances.)"""
+    cfg = get_config("mini-tp8").replace(latent=448)
+    res = check(cfg, 1, 1, params=params_mod.init(cfg, 0), mesh=8, detect_races=True,
+                dma_execution_mode="on_wait", ctx=128, experts="mxfp4")
+    assert res["experts"] == "mxfp4"
+    _assert_close(res)
+
+
 def test_plan_collectives_are_the_kernels():
     """The collectives the kernel executes are the plan's entries: per layer and per step."""
     from mk.plan import make_plan

@@ -94,6 +94,22 @@ def teacher_forced_fn(backend: str):
 
 
 def _logits(args) -> int:
+    t0, rss0 = time.perf_counter(), rss_bytes()
+    rc = _logits_run(args)
+    if args.bench and rc == 0:
+        from mk.checkpoint import checkpoint_bytes
+        n, peak = checkpoint_bytes(args.checkpoint), peak_rss_bytes()
+        res = {"checkpoint": args.checkpoint, "backend": args.backend, "checkpoint_bytes": n,
+               "peak_rss_bytes": peak, "peak_rss_over_checkpoint": peak / n, "rss_before_bytes": rss0,
+               "seconds": time.perf_counter() - t0,
+               "measured": "getrusage ru_maxrss of this process (load + pack + run), this host"}
+        print(json.dumps(res) if args.json else
+              f"peak RSS {peak / 1e9:.3f} GB = {peak / n:.2f}x the checkpoint's {n / 1e9:.3f} GB on disk "
+              f"({args.backend} backend, {res['seconds']:.1f} s)")
+    return rc
+
+
+def _logits_run(args) -> int:
     import numpy as np
     from mk.checkpoint import load, load_config
 
@@ -332,6 +348,9 @@ def add_parser(subparsers):
     p.add_argument("--out", required=True, help=".npy file for the float32 logits")
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--bench", action="store_true",
+                   help="then print the process's peak host RSS against the checkpoint's bytes on disk")
+    p.add_argument("--json", action="store_true", help="--bench: print it as one JSON object (last line)")
     add_step_options(p)
     from mk.distributed import add_distributed_args
     add_distributed_args(p, mesh=False)

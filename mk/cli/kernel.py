@@ -64,8 +64,8 @@ def add_parser(sub):
     p.add_argument("--config", default="k3")
     p.add_argument("--layers", default="4,24,93", help="comma-separated layer counts")
     p.add_argument("--num-experts", type=positive_int, default=None, help="override the routed experts")
-    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="bf16",
-                   help="routed experts' storage format (bf16 by default: MXFP4 on K3's 32-core layout is not built yet)")
+    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
+                   help="routed experts' storage: packed MXFP4 (the checkpoint's format) or bf16 tiles")
     p.add_argument("--topology", default="tpu7x:4x4x1")
     p.add_argument("--mesh", type=positive_int, default=None, metavar="N",
                    help="cores of --topology to compile for (default: the most that the config divides)")
@@ -259,7 +259,7 @@ def _print(out, as_json):
             print(f"{k:>28}: {v}")
 
 
-def _compile_row_in_process(cfg, program, topology, batch, devices, chip, expert_format="bf16"):
+def _compile_row_in_process(cfg, program, topology, batch, devices, chip, expert_format="mxfp4"):
     from mk.aot import compile_kernel, compile_reference
     from mk.plan import make_plan
     if program == "xla_reference":
@@ -272,7 +272,7 @@ def _compile_row_in_process(cfg, program, topology, batch, devices, chip, expert
 
 
 def _compile_row_subprocess(config: str, layers: int, experts, program, topology, batch, devices, timeout_s,
-                            expert_format: str = "bf16"):
+                            expert_format: str = "mxfp4"):
     """One `mk aot --json` in its own process group, killed after timeout_s (a compile that
     does not finish is a result: `timed_out`, `more_than_s`)."""
     import os
@@ -310,7 +310,7 @@ def _compile_row_subprocess(config: str, layers: int, experts, program, topology
             "wall_s": round(time.perf_counter() - t, 1)}
 
 
-def compile_times(config, layers, *, experts=None, expert_format="bf16", topology="tpu7x:2x2x1", batch=1, reference=False,
+def compile_times(config, layers, *, experts=None, expert_format="mxfp4", topology="tpu7x:2x2x1", batch=1, reference=False,
                   reference_layers=None, mesh: int | None = None, timeout_s: float | None = None,
                   show_progress: bool = False):
     """[{layers, program, devices, lower_s, compile_s, total_s, compiled, timed_out, ...}] for

@@ -9,6 +9,8 @@ On a TPU backend the kernel is compiled by Mosaic; anywhere else it runs in TPU 
 """
 from __future__ import annotations
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,14 @@ from mk.plan import Plan, make_plan, pack_weights
 
 __all__ = ["experts_format", "KERNEL_NAME", "build_call", "default_mesh", "interpret_params", "make_decode_step",
            "kernel_weights", "place_cache", "make_step_fn", "teacher_forced_logits", "make_plan", "on_tpu"]
+
+
+# TPU interpret mode copies the kernel's inputs (the weights) into its simulated memory on every
+# call and leaves those copies in reference cycles, which only a full collection frees: measured
+# on a 1.36 GB checkpoint, host RSS grew by 1.39 GB per decode step (5 steps: 10.5 GB) and fell back
+# to 3.7 GB after gc.collect(). So interpreted steps collect when the weights are this large
+# (a collection costs 0.1-0.3 s; small test models skip it).
+COLLECT_ABOVE_BYTES = 64 << 20
 
 
 def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
@@ -32,7 +42,11 @@ def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
     mesh = mesh if mesh is not None else default_mesh(plan)
     shares = [pack_weights(plan, params, r) for r in range(plan.devices)]
     place = lambda x: jax.device_put(x, NamedSharding(mesh, P(ALL)))
-    out = {k: place(np.concatenate([s[k] for s in shares])) for k in shares[0]}
+    out = {}
+    for k in list(shares[0]):       # one array at a time, each share's copy dropped once placed
+        parts = [s.pop(k) for s in shares]
+        out[k] = jax.block_until_ready(place(parts[0] if len(parts) == 1 else np.concatenate(parts)))
+        del parts
     out["embed"] = place(np.asarray(params["embed"]))
     return jax.block_until_ready(out)
 
@@ -76,10 +90,17 @@ def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int
     device_mesh = default_mesh(plan)
     weights = kernel_weights(plan, params, device_mesh)
     step = make_decode_step(plan, interpret, device_mesh, return_prefix=True)
+    interpreted = bool(interpret) or (interpret is None and not on_tpu())
+    collect = interpreted and sum(w.nbytes for w in weights.values()) > COLLECT_ABOVE_BYTES
+    if collect:
+        gc.collect()
 
     def step_fn(_params, cache, tokens):
         logits, cache, step_fn.last_prefix = step(weights, place_cache(cache, device_mesh),
                                                   jnp.asarray(tokens, jnp.int32))
+        if collect:
+            jax.block_until_ready(logits)
+            gc.collect()                       # the interpreter's copies of the weights (above)
         return logits, cache
 
     step_fn.plan = plan

@@ -16,7 +16,10 @@ slice of each expert's FFN width. Three collectives:
     latent norm of r_sum (statistics over the whole width), this device's slice @ latent_up rows
         + shared-expert partial (its slice of the shared width) --moe_out all-reduce--> z
 
-The routed and shared partials are summed anyway, so one all-reduce carries both.
+The routed and shared partials are summed anyway, so one all-reduce carries both. Rank r's latent
+slice sits at lane `plan.latent_offsets[r]` of its block (its latent_down columns, latent_up rows
+and latent_norm lanes are packed there, `mk.plan.pack_weights`), so MXFP4 scale groups of the expert
+weights never straddle two blocks; the kernel itself only moves whole blocks.
 """
 from __future__ import annotations
 
