@@ -4,10 +4,9 @@ per-row KDA states, state_row rollback, aux rows copied out) against `mk.referen
 and greedy speculative decoding through the kernel against plain greedy decoding.
 
 Tolerances are test_kernel.py's (mk.check): logits within 0.1, caches and states within 0.1, no
-NaN, no race. Measured: the verify step equals the reference bit for bit (B = 1 and 2, k = 3).
-Cost: one compile of the B = 1, k = 3 kernel shared by every test (a module fixture), five
-kernel steps (~10 s each in interpret mode with the race detector); prompts are prefilled by the
-reference, not by the kernel.
+NaN, no race. Measured: the verify step equals the reference bit for bit. Cost: one compile of a
+2-sequence, k = 3 kernel (8 rows, the plan's limit) shared by every test, five kernel steps
+(~5-10 s each in interpret mode with the race detector); prompts are prefilled by the reference.
 """
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ from mk.errors import UserError
 
 CFG = get_config("mini")
 CTX = 256
-K = 3
+B, K = 2, 3     # two sequences x (1 + 3) rows: batch > 1 with speculation, at the row limit
 AUX = (4, 2)    # the aux rows test_speculative.py's reference verify step returns: one compile
 
 
@@ -53,22 +52,23 @@ class RaceChecked:
 @pytest.fixture(scope="module")
 def verifier(params):
     from mk.kernel import KernelVerifier, interpret_params
-    v = KernelVerifier(params, CFG, 1, K, AUX, ctx=CTX, interpret=interpret_params(detect_races=True))
-    assert (v.plan.batch, v.plan.sequences, v.plan.k, v.plan.aux_layers) == (1 + K, 1, K, AUX)
+    v = KernelVerifier(params, CFG, B, K, AUX, ctx=CTX, interpret=interpret_params(detect_races=True))
+    assert (v.plan.batch, v.plan.sequences, v.plan.k, v.plan.aux_layers) == (B * (1 + K), B, K, AUX)
     return RaceChecked(v)
 
 
 def cache_near(params, pos) -> dict:
-    """A B = 1 reference cache after three decode steps, its MLA slots filled with random keys and
-    values and its position moved to `pos` (the MLA block boundary without 125 steps)."""
-    cache = ref.init_cache(CFG, 1, CTX)
-    for t in (5, 77, 901):
-        _, cache = ref.decode_step(params, cache, jnp.full((1,), t, jnp.int32), cfg=CFG)
+    """A reference cache of len(pos) sequences after three decode steps, its MLA slots filled with
+    random keys and values and its positions moved to `pos` (the MLA block boundary without 125
+    steps)."""
+    cache = ref.init_cache(CFG, len(pos), CTX)
+    for t in ((5, 6), (77, 70), (901, 33)):
+        _, cache = ref.decode_step(params, cache, jnp.asarray(t, jnp.int32), cfg=CFG)
     k1, k2 = jax.random.split(jax.random.PRNGKey(1))
     mla_k = (jax.random.normal(k1, cache["mla_k"].shape) * 0.5).astype(cache["mla_k"].dtype)
     cache["mla_k"] = mla_k.at[..., CFG.qk_head_dim:].set(0)
     cache["mla_v"] = (jax.random.normal(k2, cache["mla_v"].shape) * 0.5).astype(cache["mla_v"].dtype)
-    cache["pos"] = jnp.asarray([pos], jnp.int32)
+    cache["pos"] = jnp.asarray(pos, jnp.int32)
     return cache
 
 
@@ -87,45 +87,46 @@ def assert_block_close(k_logits, k_block, r_logits, r_block, what):
 
 
 def test_verify_step_matches_reference_and_rolls_back(params, verifier):
-    """Two verify steps at positions 126..129 (across the 127 | 128 MLA block boundary), then,
-    after accepting one draft (state_row = 1: the KDA and conv states of row 1, the slots 128..129
-    of the rejected rows left behind), 128..131: logits, every row's KDA / conv post-state, the
-    MLA caches and the aux rows as the reference's verify step and commit give them."""
-    cache = cache_near(params, 126)
-    tokens = jnp.asarray([[11, 1500, 7, 300]], jnp.int32)
+    """Two sequences, two verify steps. Step 1 at positions 126..129 (across the 127 | 128 MLA
+    block boundary) and 120..123; then sequence 0 accepts one draft (state_row = 1: the KDA and
+    conv states of its row 1, slots 128..129 of the rejected rows left behind) and sequence 1 all
+    three (state_row = 3), and step 2 runs at 128..131 and 124..127: logits, every row's KDA / conv
+    post-state, the MLA caches and the aux rows as the reference's verify step and commit give them."""
+    cache = cache_near(params, [126, 120])
+    tokens = jnp.asarray([[11, 1500, 7, 300], [3, 4, 1999, 64]], jnp.int32)
     r_logits, r_block = ref.verify_step(params, cache, tokens, cfg=CFG, aux_layers=AUX)
     k_logits, k_block = verifier.verify(params, verifier.adopt(jax.tree.map(jnp.array, cache)), tokens, AUX)
-    assert k_block["aux"].shape == (1, 1 + K, len(AUX), CFG.dim)
+    assert k_block["aux"].shape == (B, 1 + K, len(AUX), CFG.dim)
     assert_block_close(k_logits, k_block, r_logits, r_block, "step 1")
 
-    count = jnp.asarray([1], jnp.int32)
+    count = jnp.asarray([1, 3], jnp.int32)
     k_cache = verifier.commit(None, k_block, count)
     r_cache = ref.commit(cache, r_block, count)
-    assert int(k_cache["pos"][0]) == int(r_cache["pos"][0]) == 128 and int(k_cache["state_row"][0]) == 1
+    assert list(k_cache["pos"]) == list(r_cache["pos"]) == [128, 124] and list(k_cache["state_row"]) == [1, 3]
     back = verifier.to_reference(k_cache)
-    for n in ("kda_state", "conv_state"):      # rollback picked row 1's post-state, copying nothing
+    for n in ("kda_state", "conv_state"):      # rollback picked rows 1 and 3's post-states, copying nothing
         np.testing.assert_array_equal(np.asarray(back[n], np.float32), np.asarray(r_cache[n], np.float32))
 
-    tokens = jnp.asarray([[42, 9, 2000, 5]], jnp.int32)
+    tokens = jnp.asarray([[42, 9, 2000, 5], [8, 800, 80, 1]], jnp.int32)
     r_logits, r_block = ref.verify_step(params, r_cache, tokens, cfg=CFG, aux_layers=AUX)
     k_logits, k_block = verifier.verify(params, k_cache, tokens, AUX)
-    assert_block_close(k_logits, k_block, r_logits, r_block, "step 2 (from state_row 1)")
+    assert_block_close(k_logits, k_block, r_logits, r_block, "step 2 (from state_rows 1 and 3)")
 
 
 def test_greedy_speculative_through_kernel_equals_plain_greedy(params, verifier):
-    """A 124-token prompt (prefilled by the reference), then 8 tokens: three kernel verify steps
-    with k = 3 at positions 124..132 (across the 128-slot MLA block), the drafter's agreement
+    """Two 124-token prompts (prefilled by the reference), then 8 tokens each: three kernel verify
+    steps with k = 3 at positions 124..132 (across the 128-slot MLA block), the drafter's agreement
     scheduled as full (4 tokens), zero (every draft forced wrong: 3 rows rolled back) and partial
     (1 of 3). The tokens equal `reference.generate`'s plain greedy ones."""
-    prompt = np.asarray([(i * 37 + 11) % CFG.vocab for i in range(124)], np.int32)
+    prompt = np.asarray([[(i * 37 + 11 + 500 * b) % CFG.vocab for i in range(124)] for b in range(B)], np.int32)
     n_new = 8
     plain = ref.generate(params, CFG, prompt, n_new, ctx=CTX)["tokens"]
-    truth = np.concatenate([prompt[None], plain], 1)
+    truth = np.concatenate([prompt, plain], 1)
     drafter = spec.AgreeingDrafter(truth, schedule=[3, 0, 1], vocab=CFG.vocab, aux_layers=AUX)
     before = verifier.steps
     res = spec.generate(params, CFG, prompt, n_new, drafter, K, ctx=CTX, verifier=verifier, reference_prefill=True)
     np.testing.assert_array_equal(res["tokens"], plain)
-    assert res["acceptance"][0] == [4, 1, 2]                    # full, zero and partial acceptance
+    assert res["acceptance"] == [[4, 1, 2]] * B                 # full, zero and partial acceptance
     assert verifier.steps - before == res["steps"] == 3
 
 
