@@ -116,7 +116,9 @@ def expert_shapes(plan: Plan) -> dict:
 
 def kernel_abstract_inputs(plan: Plan, mesh):
     """ShapeDtypeStructs of the kernel's weights, cache and tokens, sharded over `mesh` as the
-    kernel reads them (per-device shares stacked on the leading axis; caches by head)."""
+    kernel reads them (per-device shares stacked on the leading axis; caches by head). A verify
+    plan (k > 0): KDA / conv states per row, `state_row`, tokens [sequences, 1 + k]
+    (`mk.kernel.decode.sharded_block`)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from mk.reference import init_cache
     from mk.sharding import ALL, CACHE_SPECS
@@ -124,10 +126,22 @@ def kernel_abstract_inputs(plan: Plan, mesh):
     shard = lambda *spec: NamedSharding(mesh, P(*spec))
     weights = {k: jax.ShapeDtypeStruct((N * shape[0],) + shape[1:], dtype, sharding=shard(ALL))
                for k, (shape, dtype) in kernel_weight_shapes(plan).items()}
-    cache = {k: _struct(v, shard(*CACHE_SPECS[k]))
-             for k, v in jax.eval_shape(lambda: init_cache(plan.config, plan.batch, plan.ctx)).items()}
-    tokens = jax.ShapeDtypeStruct((plan.batch,), jnp.int32, sharding=shard())
+    shapes = jax.eval_shape(lambda: init_cache(plan.config, plan.sequences, plan.ctx))
+    if plan.k:
+        for n in ("kda_state", "conv_state"):                     # one state per row
+            shapes[n] = jax.ShapeDtypeStruct((plan.batch,) + shapes[n].shape[1:], shapes[n].dtype)
+        shapes["state_row"] = jax.ShapeDtypeStruct((plan.sequences,), jnp.int32)
+    cache = {k: _struct(v, shard(*CACHE_SPECS[k])) for k, v in shapes.items()}
+    tokens = jax.ShapeDtypeStruct((plan.sequences, plan.seq_rows) if plan.k else (plan.batch,), jnp.int32,
+                                  sharding=shard())
     return weights, cache, tokens
+
+
+def _kernel_step(plan: Plan, mesh):
+    """The jitted step `compile_kernel` compiles: the decode step, or a verify plan's verify step."""
+    from mk.kernel.decode import make_decode_step, make_verify_step
+    make = make_verify_step if plan.k else make_decode_step
+    return make(plan, interpret=False, mesh=mesh)
 
 
 def _vector_rows(cfg):
@@ -220,9 +234,8 @@ def compile_kernel(plan: Plan, topology: str = "tpu7x:2x2x1", probe_vmem: bool =
     pallas_call per core under shard_map, collectives inside).
 
     probe_vmem: also compile it with its VMEM limit set to the plan's budget (`vmem_probe`)."""
-    from mk.kernel.decode import make_decode_step
     mesh, device = _mesh(plan.layout, topology)
-    r = _compile(make_decode_step(plan, interpret=False, mesh=mesh), kernel_abstract_inputs(plan, mesh), device)
+    r = _compile(_kernel_step(plan, mesh), kernel_abstract_inputs(plan, mesh), device)
     if probe_vmem:
         r.vmem_check = vmem_probe(plan, mesh, device)
     return r
@@ -238,14 +251,13 @@ def vmem_probe(plan: Plan, mesh, device) -> dict:
     step whose weights exceed HBM (refused before Mosaic runs) still gets its VMEM checked.
     (The size in Mosaic's message under a far too small limit is not the kernel's need: at K3
     widths and >= 84 layers it says 41 MiB for a kernel that compiles within 20 MiB.)"""
-    from mk.kernel.decode import make_decode_step
     from mk.plan import MiB, round_up
     limit = round_up(plan.vmem_planned_bytes, MiB)
     probe = dataclasses.replace(plan, vmem_limit=limit)
     weights, cache, tokens = kernel_abstract_inputs(probe, mesh)
     cut = {k: jax.ShapeDtypeStruct((plan.devices,) + s.shape[1:], s.dtype, sharding=s.sharding)
            for k, s in weights.items()}
-    r = _compile(make_decode_step(probe, interpret=False, mesh=mesh), (cut, cache, tokens), device)
+    r = _compile(_kernel_step(probe, mesh), (cut, cache, tokens), device)
     return {"limit_bytes": limit, "fits": r.compiled, "error": r.error}
 
 

@@ -97,8 +97,9 @@ ITEMSIZE = {F32: 4, BF16: 2, I32: 4}
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-    """One buffer of the kernel: `space` "vmem", "smem" or "dma_sem" (an array of DMA semaphores,
-    no dtype); `dtype` a numpy dtype name; `output`: a VMEM output of the pallas_call, not scratch."""
+    """One buffer of the kernel: `space` "vmem", "smem", "dma_sem" (an array of DMA semaphores,
+    no dtype) or "hbm" (an output the kernel DMAs into, never in VMEM); `dtype` a numpy dtype name;
+    `output`: an output of the pallas_call (VMEM or HBM), not scratch."""
     name: str
     space: str
     shape: tuple[int, ...]
@@ -348,6 +349,32 @@ class Plan:
     streams: tuple[LayerStream, ...]      # layers 0..L-1, then the LM head
     expert_gu: Matrix                     # one expert's fused [w1 | w3]  (latent -> 2 Fe)
     expert_down: Matrix                   # one expert's w2               (Fe -> latent)
+    # ---- the row model: `batch` rows = `sequences` x `seq_rows` (see `row_seq`) ---------------
+    seq_rows: int = 1                     # rows per sequence: 1 + k (anchor + k drafts); 1 = decode
+    aux_layers: tuple[int, ...] = ()      # layers whose entry prefix p the step copies out (spec 4.1)
+
+    # ---- rows and sequences --------------------------------------------------------------------
+    # A step runs `batch` token rows (the matmul rows that carry tokens; `rows` pads them to the
+    # sublane tile). Row r belongs to sequence r // seq_rows and sits at offset r % seq_rows of that
+    # sequence's block: plain decode is seq_rows = 1 (one row per sequence), a speculative verify
+    # step seq_rows = 1 + k (the anchor and k drafts at consecutive positions). Per-row state (KDA,
+    # conv) lives in HBM per row, [batch, ...]; the MLA caches per sequence, [sequences, ...].
+    @property
+    def sequences(self) -> int:
+        return self.batch // self.seq_rows
+
+    @property
+    def k(self) -> int:
+        """Draft tokens per sequence verified by one step (0: plain decode)."""
+        return self.seq_rows - 1
+
+    def row_seq(self) -> np.ndarray:
+        """[batch] int32: the sequence of each row."""
+        return np.arange(self.batch, dtype=np.int32) // self.seq_rows
+
+    def row_offset(self) -> np.ndarray:
+        """[batch] int32: each row's offset in its sequence's block (position = pos[seq] + offset)."""
+        return np.arange(self.batch, dtype=np.int32) % self.seq_rows
 
     # ---- one device's share (mk.sharding) ----------------------------------------------------
     @property
@@ -510,13 +537,19 @@ class Plan:
             "family_index": np.array([c.family_index(l) for l in range(L)], np.int32),
             "n_attn_blocks": np.array([c.n_attn_blocks(l) for l in range(L)], np.int32),
             "n_mlp_blocks": np.array([c.n_mlp_blocks(l) for l in range(L)], np.int32),
+            # the row model: each row's sequence (its MLA cache, its state row base)
+            "row_seq": self.row_seq(),
+            # index into the aux output of a layer whose entry prefix p is copied out (-1: none)
+            "aux_slot": np.array([self.aux_layers.index(l) if l in self.aux_layers else -1
+                                  for l in range(L)], np.int32),
         }
 
     # ---- the kernel's buffers and their VMEM budget -------------------------------------------
     @cached_property
     def buffers(self) -> tuple[Buffer, ...]:
-        """Every VMEM, SMEM and semaphore buffer of the kernel, by name: its two VMEM outputs, then
-        its scratch in argument order (`mk.kernel.refs` hands them to `pallas_call`)."""
+        """Every VMEM, SMEM and semaphore buffer of the kernel, by name: its outputs (logits and the
+        final prefix p in VMEM, the aux rows in HBM when the plan has aux layers), then its scratch
+        in argument order (`mk.kernel.refs` hands them to `pallas_call`)."""
         c, R, B = self.config, self.rows, self.batch
         H, D, HD, d = self.heads, c.head_dim, self.attn_width, c.dim     # this device's heads
         N, W = self.devices, self.exchange_width
@@ -528,6 +561,10 @@ class Plan:
             # outputs
             Buffer("logits", "vmem", (R, self.stream(c.layers).matrix("lm_head").n), F32, output=True),
             Buffer("p", "vmem", (R, d), BF16, output=True),                  # final residual prefix
+        ]
+        if self.aux_layers:   # aux rows (spec 4.1): p at the entry of each aux layer, DMA'd to HBM
+            b += [Buffer("aux", "hbm", (len(self.aux_layers), R, d), BF16, output=True)]
+        b += [
             # weight ring
             VM("slots", (self.num_slots, self.tile_k, self.tile_n), BF16),   # [S, TK, TN]
             DMA("slot_sems", (self.num_slots,)),
@@ -540,7 +577,11 @@ class Plan:
             DMA("embed_sems", (B,)),
             VM("vectors", (2, len(vector_rows(c)), self.vector_width), F32), # layer tables, 2 parities
             DMA("vector_sems", (2,)),
-            # KDA
+        ]
+        if self.aux_layers:
+            b += [DMA("aux_sems", (1,))]
+        b += [
+            # KDA: every row's post-state (a row continues its sequence's previous row)
             VM("kda_state", (B, H, D, D), F32),                              # [row, head, key, value]
             VM("conv_state", (B, 3, c.conv_size - 1, HD), BF16),
             DMA("state_sems", (2, B)),                                       # [state | conv, row]
@@ -716,6 +757,7 @@ class Plan:
             "remote_bytes_per_step": self.remote_bytes_per_step,
             "experts": self.experts, "expert_bytes": self.expert_bytes,
             "routed_expert_bytes_per_step": self.routed_expert_bytes_per_step(),
+            "sequences": self.sequences, "k": self.k, "aux_layers": list(self.aux_layers),
         }
 
 
@@ -735,18 +777,34 @@ def default_tile(cfg: K3Config) -> tuple[int, int]:
 
 
 DEFAULT_PREFETCH_DEPTH = 4
+MAX_ROWS = 8   # token rows of one step (sequences x (1 + k)): one sublane tile of matmul rows
 
 
 def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
               num_slots: int | None = None, tile: int | tuple[int, int] | None = None,
               vmem_limit: int | None = None, chip: str = "tpu7x", ctx: int = 256,
-              layout: Layout = Layout(), check: bool = True, experts: str = "bf16") -> Plan:
+              layout: Layout = Layout(), check: bool = True, experts: str = "bf16", k: int = 0,
+              aux_layers: Sequence[int] = ()) -> Plan:
     """Compute the plan; raises PlanError for bad parameters or (if `check`) a VMEM overflow.
+
+    batch: sequences. k: draft tokens per sequence of a speculative verify step (0: plain decode);
+    the step runs batch x (1 + k) <= MAX_ROWS rows (`Plan.batch` counts rows). aux_layers: layers
+    whose entry prefix p the step copies to its `aux` output (the drafter's context, spec 4.1).
 
     experts: storage format of the routed experts, "bf16" or "mxfp4" (packed E2M1 codes + E8M0
     scales in HBM, dequantized in VMEM; the checkpoint's own format). Every other matrix is bf16."""
-    if not 1 <= batch <= 8:
-        raise PlanError(f"batch must be in 1..8, found {batch}")
+    if not 1 <= batch <= MAX_ROWS:
+        raise PlanError(f"batch must be in 1..{MAX_ROWS}, found {batch}")
+    if k < 0:
+        raise PlanError(f"k (draft tokens per sequence) must be >= 0, found {k}")
+    if batch * (1 + k) > MAX_ROWS:
+        raise PlanError(f"k = {k} drafts: a verify step of batch {batch} x (1 + k) = {batch * (1 + k)} rows "
+                        f"exceeds the plan's limit of {MAX_ROWS} rows per step "
+                        f"(k <= {MAX_ROWS // batch - 1} at batch {batch})")
+    aux_layers = tuple(int(l) for l in aux_layers)
+    bad = [l for l in aux_layers if not 0 < l < cfg.layers]
+    if bad or len(set(aux_layers)) != len(aux_layers):
+        raise PlanError(f"aux layers {list(aux_layers)}: each must be a distinct layer in 1..{cfg.layers - 1}")
     if prefetch_depth < 0:
         raise PlanError(f"prefetch_depth must be >= 0, found {prefetch_depth}")
     num_slots = prefetch_depth + 1 if num_slots is None else num_slots
@@ -783,8 +841,8 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
     lp = layout.devices * round_up(cfg.latent // layout.devices, 128)     # the gathered latent width
     gu = _matrix("expert.gu", lp, [(("moe", "w1"), fe), (("moe", "w3"), fe)], tk, tn, fmt=experts)
     down = _matrix("expert.down", fe, [(("moe", "w2"), lp)], tk, tn, fmt=experts)
-    plan = Plan(cfg, batch, prefetch_depth, num_slots, tk, tn, vmem_limit, chip, ctx, layout,
-                tuple(streams), gu, down)
+    plan = Plan(cfg, batch * (1 + k), prefetch_depth, num_slots, tk, tn, vmem_limit, chip, ctx, layout,
+                tuple(streams), gu, down, seq_rows=1 + k, aux_layers=aux_layers)
     if check:
         plan.check_vmem()
     return plan

@@ -99,6 +99,7 @@ _PARAM_SPECS = {
 
 CACHE_SPECS = {
     "pos": (None,),
+    "state_row": (None,),                          # [B] the kernel's verify cache (mk.kernel.decode.commit)
     "kda_state": (None, None, ALL, None, None),    # [B, n_kda, H, D, D]
     "conv_state": (None, None, None, None, ALL),   # [B, n_kda, 3, C-1, HD]
     "mla_k": (None, None, ALL, None, None),        # [B, n_mla, H, ctx, Kc]

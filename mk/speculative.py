@@ -15,6 +15,10 @@ from `PRNGKey(seed)` folded with the row and the step's first position: reproduc
 
 Prefill runs the prompt through the same verify step in blocks of T tokens (the last one padded
 with its last token, the padding rolled back), so one compiled step serves the whole run.
+
+The verify step is a `verifier`: `ReferenceVerifier` (mk.reference, XLA) or
+`mk.kernel.KernelVerifier` (the megakernel with 1 + k rows per sequence, per-row KDA states and
+state_row rollback, aux rows copied out by the kernel).
 """
 from __future__ import annotations
 
@@ -26,9 +30,7 @@ import numpy as np
 
 from mk import reference as ref
 from mk.errors import UserError
-from mk.layers.common import ROW_TILE
-
-MAX_ROWS = ROW_TILE   # rows of one step (batch x (1 + k)); the kernel's batch limit
+from mk.plan import MAX_ROWS   # rows of one step (batch x (1 + k)); the kernel plan's row limit
 
 
 class SpeculativeError(UserError):
@@ -42,6 +44,16 @@ def check_k(k: int, batch: int = 1):
         raise SpeculativeError(f"--speculative {k}: a verify step of batch {batch} x (1 + {k}) = "
                                f"{batch * (1 + k)} rows exceeds the {MAX_ROWS} rows a step allows "
                                f"(k <= {MAX_ROWS // batch - 1} at batch {batch})")
+
+
+def context_for(prompt_len: int, max_new_tokens: int, k: int, ctx: int | None = None) -> int:
+    """The cache capacity a run needs (drafts and prefill padding may run 2 x (1 + k) past the end):
+    `ctx` if given (checked), else the least multiple of 128 >= that, at least DEFAULT_CTX."""
+    total = prompt_len + max_new_tokens + 2 * (1 + k)
+    ctx = ctx or max(ref.DEFAULT_CTX, -(-total // 128) * 128)
+    if total > ctx:
+        raise SpeculativeError(f"prompt + max_new_tokens + 2 x (1 + k) = {total} exceed ctx={ctx}")
+    return ctx
 
 
 # ---- target distributions and acceptance -----------------------------------------------------
@@ -142,18 +154,44 @@ class AgreeingDrafter:
         return out
 
 
+# ---- verify backends -------------------------------------------------------------------------
+
+class ReferenceVerifier:
+    """The verify step on `mk.reference` (XLA). A verifier has `init_cache(batch, ctx)`,
+    `adopt(reference_cache)` (its own layout from the reference's), `verify(params, cache, tokens
+    [B, 1 + k], aux_layers) -> (logits [B, 1 + k, V], block)` with block["aux"] [B, 1 + k, n, d],
+    and `commit(cache, block, count) -> cache`; the kernel's is `mk.kernel.KernelVerifier`."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def init_cache(self, batch: int, ctx: int) -> dict:
+        return ref.init_cache(self.cfg, batch, ctx)
+
+    def adopt(self, cache: dict) -> dict:
+        return cache
+
+    def verify(self, params, cache, tokens, aux_layers):
+        return ref.verify_step(params, cache, jnp.asarray(tokens, jnp.int32), cfg=self.cfg, aux_layers=tuple(aux_layers))
+
+    def commit(self, cache, block, count):
+        return ref.commit(cache, block, jnp.asarray(count, jnp.int32))
+
+
 # ---- the loop --------------------------------------------------------------------------------
 
 def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, ctx: int | None = None, fixed_acceptance: int | None = None,
-             verify_fn=None) -> dict:
+             verifier=None, reference_prefill: bool = False) -> dict:
     """Speculative generation from prompts [B, T0] (or [T0]). Returns tokens [B, max_new_tokens],
     `acceptance` (one list per row: acceptance length of every step), `steps`, `mean_acceptance`,
     `tokens_per_step`, `prefill_s`, `decode_s`, `tokens_per_s` (emitted tokens / decode time).
 
     `fixed_acceptance` L forces count = L - 1 every step (speed at a chosen acceptance length; the
-    tokens are then not meaningful). `verify_fn(params, cache, tokens, aux_layers)` defaults to
-    `mk.reference.verify_step`.
+    tokens are then not meaningful). `verifier` runs the verify steps (`ReferenceVerifier`, the
+    default, or `mk.kernel.KernelVerifier`). `reference_prefill`: the prompt runs through the
+    reference's verify step and its cache is handed to the verifier (`verifier.adopt`), so a
+    kernel in interpret mode spends its time on the generated tokens only.
     """
     prompt = np.asarray(prompt, np.int32)
     if prompt.ndim == 1:
@@ -166,26 +204,26 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
         raise SpeculativeError(f"--fixed-acceptance-length must lie in 1..{k + 1} (1 + --speculative), "
                                f"found {fixed_acceptance}")
     T = 1 + k
-    total = T0 + max_new_tokens + 2 * T            # drafts and prefill padding may run past the end
-    ctx = ctx or max(ref.DEFAULT_CTX, -(-total // 128) * 128)
-    if total > ctx:
-        raise SpeculativeError(f"prompt + max_new_tokens + 2 x (1 + k) = {total} exceed ctx={ctx}")
+    ctx = context_for(T0, max_new_tokens, k, ctx)
     ref._check_tokens(prompt, cfg, ctx)
     aux_layers = tuple(drafter.aux_layers)
-    verify_fn = verify_fn or (lambda p, c, t, aux: ref.verify_step(p, c, t, cfg=cfg, aux_layers=aux))
+    verifier = verifier or ReferenceVerifier(cfg)
+    prefiller = ReferenceVerifier(cfg) if reference_prefill else verifier
 
     t0 = time.perf_counter()
-    cache = ref.init_cache(cfg, B, ctx)
+    cache = prefiller.init_cache(B, ctx)
     dstate = drafter.start(B, ctx)
     for s in range(0, T0, T):                      # prefill: blocks of T prompt tokens
         chunk = prompt[:, s:s + T]
         real = chunk.shape[1]
         chunk = np.concatenate([chunk, np.repeat(chunk[:, -1:], T - real, 1)], 1)
         pos = np.asarray(cache["pos"])
-        logits, block = verify_fn(params, cache, jnp.asarray(chunk), aux_layers)
+        logits, block = prefiller.verify(params, cache, jnp.asarray(chunk), aux_layers)
         if aux_layers:
             dstate = drafter.observe(dstate, block["aux"], pos)
-        cache = ref.commit(cache, block, jnp.full((B,), real - 1, jnp.int32))
+        cache = prefiller.commit(cache, block, jnp.full((B,), real - 1, jnp.int32))
+    if prefiller is not verifier:
+        cache = verifier.adopt(cache)
     last = np.asarray(logits[:, real - 1])
     pos = np.asarray(cache["pos"])                 # = T0: the first generated token's position
     anchor = np.asarray([_first_token(last[b], temperature, top_p, seed, b, int(pos[b])) for b in range(B)])
@@ -198,7 +236,7 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     while min(len(o) for o in out) < max_new_tokens:
         drafts = np.asarray(drafter.propose(dstate, anchor, pos, k), np.int32)
         tokens = np.concatenate([anchor[:, None], drafts], 1)
-        logits, block = verify_fn(params, cache, jnp.asarray(tokens), aux_layers)
+        logits, block = verifier.verify(params, cache, jnp.asarray(tokens), aux_layers)
         logits = np.asarray(logits)
         counts, bonus = np.zeros(B, np.int32), np.zeros(B, np.int32)
         for b in range(B):
@@ -214,7 +252,7 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
             acceptance[b].append(int(counts[b]) + 1)
         if aux_layers:
             dstate = drafter.observe(dstate, block["aux"], pos)
-        cache = ref.commit(cache, block, jnp.asarray(counts))
+        cache = verifier.commit(cache, block, jnp.asarray(counts))
         pos = pos + counts + 1
         anchor = bonus
         steps += 1

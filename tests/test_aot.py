@@ -65,6 +65,16 @@ def test_sharded_k3_slice_compiles_for_8_cores(batch, experts):
     assert r.compiled, r.error
 
 
+@pytest.mark.parametrize("config,devices,batch,k", [("mini", 1, 2, 3), ("mini-tp8", 8, 1, 3)])
+def test_verify_step_compiles(config, devices, batch, k):
+    """The speculative verify step (rows = batch x (1 + k), per-row KDA states chained in SMEM-table
+    order, state_row loads, aux rows DMA'd to HBM) lowers with Mosaic, on one core and on 8."""
+    plan = _sharded_plan(config, devices, batch, k=k, aux_layers=(2,))
+    assert plan.batch == batch * (1 + k) and any(b.name == "aux" and b.space == "hbm" for b in plan.buffers)
+    r = compile_kernel(plan, "tpu7x:2x2x1")
+    assert r.compiled, r.error
+
+
 def _aot_json(capsys, *argv):
     from mk.__main__ import main
     capsys.readouterr()

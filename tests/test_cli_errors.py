@@ -80,6 +80,8 @@ CASES = [
     (["generate", "--prompt-tokens", "1", "--speculative", "2", "--fixed-acceptance-length", "4"],
      "--fixed-acceptance-length must lie in 1..3"),
     (["generate", "--prompt-tokens", "1", "--speculative", "2", "--drafter", "MISSING"], "MISSING: drafter directory not found"),
+    (["generate", "--prompt-tokens", "1", "--speculative", "2", "--mesh", "2"],
+     "--speculative --mesh N runs on --backend kernel"),
     (["generate", "--checkpoint", "CKPT", "--prompt-tokens", "1", "--speculative", "2", "--drafter", "DRAFT_VOCAB"],
      "vocabulary 2048 does not match the target's 512"),
     (["generate", "--checkpoint", "CKPT", "--prompt-tokens", "1", "--speculative", "2", "--drafter", "DRAFT_AUX"],

@@ -221,3 +221,24 @@ def test_module_entry_point(tiny_dir, capsys):
     bad = subprocess.run([sys.executable, "-m", "mk", "generate", "--config", tiny_dir, "--prompt-tokens", "a"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("error: --prompt-tokens")
+
+
+
+def test_speculative_kernel_plumbing(capsys, tiny_dir, monkeypatch):
+    """--speculative K --backend kernel hands mk.kernel.KernelVerifier(params, cfg, batch, K,
+    drafter aux layers, ctx=, mesh=) to speculative.generate (the kernel's verify step itself is
+    tests/test_speculative_kernel.py's)."""
+    from mk import drafter as mkdrafter
+    from mk.speculative import ReferenceVerifier
+    calls = []
+
+    def KernelVerifier(params, cfg, batch, k, aux_layers, *, ctx, mesh):
+        calls.append((cfg, batch, k, tuple(aux_layers), ctx, mesh))
+        return ReferenceVerifier(cfg)
+
+    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(KernelVerifier=KernelVerifier))
+    res = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--json",
+                         "--speculative", "2", "--backend", "kernel"))
+    assert calls == [(TINY, 1, 2, mkdrafter.config_for(TINY).aux_layers, res["ctx"], None)] and res["backend"] == "kernel"
+    plain = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--json"))
+    assert res["tokens"] == plain["tokens"]

@@ -11,9 +11,11 @@ tokens_per_s, backend, config, and the sampling settings.
 Weights: `mk.params.init(config, seed)` for `--config` (a preset name or a checkpoint directory's
 config), or the tensors of `--checkpoint DIR`. `--backend kernel` runs the megakernel
 (`mk.kernel.make_step_fn`) with the reference's caches; `reference` (default) the pure-JAX step.
-`--speculative K` decodes speculatively on the reference (`mk.speculative`, spec 4.3): K drafts
-per step from `--drafter DIR` (a drafter checkpoint, see `mk synth --drafter`; default: a random
-drafter from `mk.drafter.config_for(config)` and --seed), verified as 1 + K rows of one step;
+`--speculative K` decodes speculatively (`mk.speculative`, spec 4.3): K drafts per step from
+`--drafter DIR` (a drafter checkpoint, see `mk synth --drafter`; default: a random drafter from
+`mk.drafter.config_for(config)` and --seed), verified as 1 + K rows of one step, on the reference
+or, with `--backend kernel [--mesh N]`, in the megakernel (`mk.kernel.KernelVerifier`: per-row
+KDA states, rollback by state_row, the drafter's aux rows copied out by the kernel);
 `--json` adds acceptance lengths, tokens per step and the measured tokens/s (on this host's
 device, named in `device`). `--fixed-acceptance-length L` forces L - 1 accepted drafts per step
 (speed at a chosen acceptance length; the tokens are then not meaningful).
@@ -87,10 +89,11 @@ def _check_options(args):
     else:
         from mk.speculative import check_k
         check_k(args.speculative, args.batch)
-        if args.backend != "reference":
-            raise GenerateError("--speculative runs on --backend reference (the kernel's verify step is not built yet)")
-        if args.mesh is not None or args.coordinator is not None:
-            raise GenerateError("--speculative runs on one device of one process (no --mesh / --coordinator yet)")
+        if args.coordinator is not None:
+            raise GenerateError("--speculative runs in one process (no --coordinator yet)")
+        if args.mesh is not None and args.backend != "kernel":
+            raise GenerateError("--speculative --mesh N runs on --backend kernel (the sharded reference has no "
+                                "verify step)")
         L = args.fixed_acceptance_length
         if L is not None and not 1 <= L <= args.speculative + 1:
             raise GenerateError(f"--fixed-acceptance-length must lie in 1..{args.speculative + 1} "
@@ -222,14 +225,23 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         dcfg = mkdrafter.config_for(cfg)
         weights = mkdrafter.init(dcfg, args.seed)
     if args.checkpoint is not None:
-        params = _optional_module("mk.checkpoint", "--checkpoint").load(args.checkpoint, progress=on_terminal(not args.json))
+        # the kernel streams the checkpoint's MXFP4 experts packed; the reference computes in bf16
+        experts = "mxfp4" if args.backend == "kernel" else "bf16"
+        params = _optional_module("mk.checkpoint", "--checkpoint").load(
+            args.checkpoint, progress=on_terminal(not args.json), experts=experts)
     else:
         from mk.params import init
         params = init(cfg, args.seed)
+    ctx = speculative.context_for(len(prompt), args.max_new_tokens, args.speculative, args.ctx)
+    verifier = None
+    if args.backend == "kernel":
+        kernel = _optional_module("mk.kernel", "--backend kernel")
+        verifier = kernel.KernelVerifier(params, cfg, args.batch, args.speculative, dcfg.aux_layers, ctx=ctx,
+                                         mesh=args.mesh)
     res = speculative.generate(params, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)),
                                args.max_new_tokens, mkdrafter.DSparkDrafter(dcfg, weights), args.speculative,
-                               temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=args.ctx,
-                               fixed_acceptance=args.fixed_acceptance_length)
+                               temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,
+                               fixed_acceptance=args.fixed_acceptance_length, verifier=verifier)
     return _print_result(args, res, prompt, tokenizer, {
         "device": jax.devices()[0].platform,
         "speculative": args.speculative, "drafter": args.drafter,
@@ -237,7 +249,7 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         "acceptance_lengths": res["acceptance"], "mean_acceptance_length": res["mean_acceptance"],
         "tokens_per_step": res["tokens_per_step"], "steps": res["steps"],
         "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
-        "batch": args.batch, "ctx": res["ctx"], "max_new_tokens": args.max_new_tokens,
+        "mesh": args.mesh, "batch": args.batch, "ctx": res["ctx"], "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed})
 
 
@@ -260,7 +272,7 @@ def add_parser(subparsers):
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
     p.add_argument("--json", action="store_true", help="print tokens and timings as one JSON object")
     p.add_argument("--speculative", type=int, default=None, metavar="K",
-                   help="speculative decoding with K drafts per step (reference backend)")
+                   help="speculative decoding with K drafts per step (either backend)")
     p.add_argument("--drafter", metavar="DIR", default=None,
                    help="drafter checkpoint for --speculative (default: random drafter weights from --seed)")
     p.add_argument("--fixed-acceptance-length", type=int, default=None, metavar="L",

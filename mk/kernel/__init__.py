@@ -5,6 +5,9 @@
     step    = make_decode_step(plan)                # jitted; cache donated
     logits, cache = step(weights, cache, tokens)    # cache as mk.reference.init_cache
 
+Speculative decoding runs the same kernel with 1 + k rows per sequence (`make_plan(..., k=k)`):
+`KernelVerifier` is the verify step `mk.speculative.generate` drives (`verifier=`).
+
 On a TPU backend the kernel is compiled by Mosaic; anywhere else it runs in TPU interpret mode.
 """
 from __future__ import annotations
@@ -16,11 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk.config import K3Config
-from mk.kernel.decode import KERNEL_NAME, build_call, default_mesh, interpret_params, make_decode_step, on_tpu
+from mk.kernel.decode import (KERNEL_NAME, build_call, commit, default_mesh, interpret_params, make_decode_step,
+                              make_verify_step, on_tpu)
 from mk.plan import Plan, make_plan, pack_weights
 
 __all__ = ["experts_format", "KERNEL_NAME", "build_call", "default_mesh", "interpret_params", "make_decode_step",
-           "kernel_weights", "place_cache", "make_step_fn", "teacher_forced_logits", "make_plan", "on_tpu"]
+           "kernel_weights", "place_cache", "make_step_fn", "teacher_forced_logits", "make_plan", "on_tpu",
+           "KernelVerifier", "commit", "make_verify_step"]
 
 
 # TPU interpret mode copies the kernel's inputs (the weights) into its simulated memory on every
@@ -66,6 +71,18 @@ def experts_format(params: dict) -> str:
     return "mxfp4" if isinstance(moe.get("w1"), dict) else "bf16"
 
 
+def _plan_for(params: dict, cfg: K3Config, batch: int, prefetch_depth, ctx, mesh, plan_kw) -> Plan:
+    from mk.sharding import default_layout
+
+    kw = dict(plan_kw)
+    kw.setdefault("experts", experts_format(params))
+    if prefetch_depth is not None:
+        kw["prefetch_depth"] = prefetch_depth
+    if mesh is not None and mesh > 1 and "layout" not in kw:
+        kw["layout"] = default_layout(cfg, mesh)
+    return make_plan(cfg, batch, ctx=ctx, **kw)
+
+
 def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int | None = None,
                  ctx: int = 256, interpret=None, mesh: int | None = None, **plan_kw):
     """A `step_fn(params, cache, tokens) -> (logits, cache)` backed by the kernel (the `params`
@@ -78,15 +95,7 @@ def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int
     mesh: number of devices (default 1); the layout is `mk.sharding.default_layout`. Caches
     passed in are placed on the mesh on first use. After each call `step_fn.last_prefix` holds
     every device's final residual prefix p, [devices, B, d] bf16 (replicated: equal bits)."""
-    from mk.sharding import default_layout
-
-    kw = dict(plan_kw)
-    kw.setdefault("experts", experts_format(params))
-    if prefetch_depth is not None:
-        kw["prefetch_depth"] = prefetch_depth
-    if mesh is not None and mesh > 1 and "layout" not in kw:
-        kw["layout"] = default_layout(cfg, mesh)
-    plan = make_plan(cfg, batch, ctx=ctx, **kw)
+    plan = _plan_for(params, cfg, batch, prefetch_depth, ctx, mesh, plan_kw)
     device_mesh = default_mesh(plan)
     weights = kernel_weights(plan, params, device_mesh)
     step = make_decode_step(plan, interpret, device_mesh, return_prefix=True)
@@ -106,6 +115,70 @@ def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int
     step_fn.plan = plan
     step_fn.mesh = device_mesh
     return step_fn
+
+
+class KernelVerifier:
+    """The speculative verify step on the kernel, for `mk.speculative.generate(..., verifier=)`:
+    `batch` sequences x (1 + k) rows per step, the prefix p of `aux_layers` copied out.
+
+    Its cache is the reference's (`mk.reference.init_cache`) with the KDA and conv states one per
+    ROW, [batch * (1 + k), n_kda, ...], and `state_row` [batch]: the row of each sequence whose
+    post-state the next step starts from. `verify` runs one step (the cache is consumed, updated
+    in place); `commit(cache, block, count)` sets state_row = count and pos += count + 1, nothing
+    else: the rejected rows' states stay where they are, their MLA slots are masked and later
+    overwritten. `adopt` takes a reference-layout cache (e.g. prefilled by `mk.reference`),
+    `to_reference` gives one back (the accepted rows' states).
+
+    Weights are packed once here (`params` as for `make_step_fn`); mesh: number of devices."""
+
+    def __init__(self, params: dict, cfg: K3Config, batch: int, k: int, aux_layers=(), *,
+                 prefetch_depth: int | None = None, ctx: int = 256, interpret=None, mesh: int | None = None,
+                 **plan_kw):
+        self.cfg, self.k, self.aux_layers = cfg, k, tuple(aux_layers)
+        self.plan = _plan_for(params, cfg, batch, prefetch_depth, ctx, mesh,
+                              dict(plan_kw, k=k, aux_layers=self.aux_layers))
+        self.mesh = default_mesh(self.plan)
+        self.weights = kernel_weights(self.plan, params, self.mesh)
+        self._verify = make_verify_step(self.plan, interpret, self.mesh)
+
+    def init_cache(self, batch: int, ctx: int) -> dict:
+        from mk.reference import init_cache
+        return self.adopt(init_cache(self.cfg, batch, ctx))
+
+    def adopt(self, cache: dict) -> dict:
+        """A reference-layout cache -> this verifier's layout (each sequence's state on all its rows,
+        state_row 0), placed on the mesh."""
+        S, T = self.plan.sequences, self.plan.seq_rows
+        if cache["pos"].shape != (S,):
+            raise ValueError(f"cache of {cache['pos'].shape[0]} sequences, the verifier's plan has {S}")
+        out = {n: v for n, v in cache.items() if n != "state_row"}
+        for n in ("kda_state", "conv_state"):
+            out[n] = jnp.repeat(cache[n], T, axis=0)
+        out["state_row"] = jnp.zeros((S,), jnp.int32)
+        return place_cache(out, self.mesh)
+
+    def to_reference(self, cache: dict) -> dict:
+        """This verifier's cache -> the reference's layout (each sequence's state_row state)."""
+        T = self.plan.seq_rows
+        rows = np.arange(self.plan.sequences) * T + np.asarray(cache["state_row"])
+        out = {n: v for n, v in cache.items() if n != "state_row"}
+        for n in ("kda_state", "conv_state"):
+            out[n] = jnp.asarray(cache[n])[rows]
+        return out
+
+    def verify(self, params, cache: dict, tokens, aux_layers=None):
+        """tokens [batch, 1 + k] -> (logits [batch, 1 + k, V] f32, block); `params` is ignored
+        (the weights were packed at construction). block: see `mk.kernel.decode.sharded_block`."""
+        if aux_layers is not None and tuple(aux_layers) != self.aux_layers:
+            raise ValueError(f"aux layers {tuple(aux_layers)} requested, the verifier's plan copies {self.aux_layers}")
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.shape != (self.plan.sequences, self.plan.seq_rows):
+            raise ValueError(f"tokens of shape {tokens.shape}, the verifier's plan runs "
+                             f"{(self.plan.sequences, self.plan.seq_rows)} (sequences, 1 + k)")
+        return self._verify(self.weights, place_cache(cache, self.mesh), tokens)
+
+    def commit(self, cache: dict, block: dict, count) -> dict:
+        return commit(block, jnp.asarray(count, jnp.int32))
 
 
 def teacher_forced_logits(params: dict, cfg: K3Config, tokens, ctx: int | None = None, **kw) -> np.ndarray:

@@ -97,6 +97,11 @@ def _embed(k: StepContext):
     r.p[...] = bf(all_reduce(k, "embed", jnp.concatenate(rows, axis=0)))
 
 
+def _aux_copy(r, slot):
+    """The DMA of the running prefix p [R, d] bf16 into aux row set `slot` of the HBM output."""
+    return pltpu.make_async_copy(r.p, r.aux.at[jnp.maximum(slot, 0)], r.aux_sems.at[0])
+
+
 def _zero_scratch(r):
     r.blocks[...] = jnp.zeros(r.blocks.shape, jnp.float32)
     r.attn_out[...] = jnp.zeros(r.attn_out.shape, r.attn_out.dtype)
@@ -124,6 +129,12 @@ def decode_kernel(plan: Plan):
             k.vector_copy(l).wait()
             k.vector_copy(l + 1).start()                 # the next layer's (or the head's) vectors
             p = r.p[...]
+            if plan.aux_layers:                          # aux rows: this layer's entry prefix -> HBM
+                aux = r.aux_slot[l]
+
+                @pl.when(aux >= 0)
+                def _aux_out():
+                    _aux_copy(r, aux).start()
             starts_block = l % R_blk == 0
             with jax.named_scope("attn_res_mix"):
                 x = mix(p, r.blocks, r.n_attn_blocks[l], k.vec("attn_res", d), eps)
@@ -143,6 +154,11 @@ def decode_kernel(plan: Plan):
                 x = mix(p, r.blocks, r.n_mlp_blocks[l], k.vec("mlp_res", d), eps)
             m = rms(x, k.vec("ffn_norm", d), eps)
             z = ring.cond(l == 0, lambda: dense_mlp(k, m), lambda: moe(k, m, l))
+            if plan.aux_layers:
+
+                @pl.when(aux >= 0)
+                def _aux_done():                         # before p is overwritten
+                    _aux_copy(r, aux).wait()
             r.p[...] = bf(p + z)
 
         ring.fori(0, L, layer)
@@ -177,7 +193,7 @@ def build_call(plan: Plan, interpret=None):
     in_names = refs_mod.inputs(plan)
     n_in = len(in_names)
     out_names = refs_mod.outputs(plan)
-    vmem_out = refs_mod.vmem_outputs(plan)
+    own_out = refs_mod.new_outputs(plan)
     # aliased input -> output, by name; input indices count the scalar-prefetch args.
     aliases = {n_prefetch + in_names.index(i): out_names.index(o) for i, o in refs_mod.ALIASES.items()}
     # The entry barrier's semaphore exists only with a collective id (mesh runs).
@@ -187,12 +203,13 @@ def build_call(plan: Plan, interpret=None):
         states = [inputs[in_names.index(i)] for i in refs_mod.ALIASES]
         return pl.pallas_call(
             decode_kernel(plan),
-            out_shape=[jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in vmem_out]
+            out_shape=[jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in own_out]
                       + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states],
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=n_prefetch, grid=(),
                 in_specs=[any_spec] * n_in,
-                out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] * len(vmem_out) + [any_spec] * len(states),
+                out_specs=[any_spec if b.space == "hbm" else pl.BlockSpec(memory_space=pltpu.VMEM)
+                           for b in own_out] + [any_spec] * len(states),
                 scratch_shapes=refs_mod.scratch_shapes(plan)),
             input_output_aliases=aliases,
             compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit, has_side_effects=False,
@@ -210,15 +227,29 @@ def default_mesh(plan: Plan):
     return make_mesh(plan.layout)
 
 
-def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
-    """`step(weights, cache, tokens) -> (logits [B, V] f32, cache)` as one `shard_map` over `mesh`
-    of one pallas_call per device; weights from `mk.kernel.kernel_weights(plan, params, mesh)`.
-    return_prefix: also return every device's final residual prefix p, [N, B, d] bf16 (replicated
-    state: the same bits on every device)."""
+STATE_NAMES = ("kda_state", "conv_state", "mla_k", "mla_v")
+
+
+def sharded_block(plan: Plan, mesh, interpret=None):
+    """`run(weights, cache, tokens) -> (logits [S, T, V] f32, block)`: one step of T = plan.seq_rows
+    consecutive tokens for each of S = plan.sequences sequences (T = 1: a decode step; T = 1 + k: a
+    speculative verify step), as one `shard_map` over `mesh` of one pallas_call per device.
+
+    cache: pos [S] int32 (position of each sequence's first row), state_row [S] int32 (optional,
+    default 0: which of a sequence's rows' states the step starts from), kda_state [S*T, n_kda, H, D,
+    D] f32 and conv_state [S*T, n_kda, 3, C-1, HD] bf16 (one state per ROW), mla_k / mla_v [S, n_mla,
+    H, ctx, *] bf16 (per sequence); on a mesh sharded as `mk.sharding.CACHE_SPECS`. tokens [S, T].
+    block: kda_state / conv_state holding every row's post-state, mla_k / mla_v with every row's key
+    and value written (all updated in place: the cache is consumed), pos and state_row (the step's
+    own, unchanged: the states they pointed at are overwritten; see `commit`), aux [S, T,
+    n_aux, d] bf16 (each aux layer's entry prefix, in `plan.aux_layers` order; if the plan has aux
+    layers), prefix [N, S*T, d] bf16 (every device's final residual prefix p). `commit` turns it into
+    the next step's cache."""
     from jax.sharding import PartitionSpec as P
     from mk.sharding import ALL, CACHE_SPECS
 
-    N, B, V = plan.devices, plan.batch, plan.vocab_local
+    N, B, V, S, T = plan.devices, plan.batch, plan.vocab_local, plan.sequences, plan.seq_rows
+    n_aux = len(plan.aux_layers)
     if interpret is None:
         interpret = False if on_tpu() else interpret_params()
     if interpret is not False and N > 1:
@@ -226,36 +257,73 @@ def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
         install()
     call = build_call(plan, interpret)
     tables = plan.tables()
-    state_names = ("kda_state", "conv_state", "mla_k", "mla_v")
-    state_specs = tuple(P(*CACHE_SPECS[n]) for n in state_names)
+    state_specs = tuple(P(*CACHE_SPECS[n]) for n in STATE_NAMES)
     n_tables = len(refs_mod.TABLES)
-
+    n_out = len(refs_mod.new_outputs(plan))
     expert_names = refs_mod.expert_inputs(plan)        # ("experts",) or ("expert_codes", "expert_scales")
 
-    def per_device(tokens, positions, rank, table_args, embed, tiles, experts, vectors, states):
-        logits, prefix, *new_states = call([tokens, positions, rank, *table_args],
-                                           [embed, tiles, *experts, vectors, *states])
-        return logits, prefix, tuple(new_states)
+    def per_device(tokens, row_pos, state_row, rank, table_args, embed, tiles, experts, vectors, states):
+        out = call([tokens, row_pos, state_row, rank, *table_args], [embed, tiles, *experts, vectors, *states])
+        return tuple(out[:n_out]), tuple(out[n_out:])
 
     mapped = jax.shard_map(
         per_device, mesh=mesh,
-        in_specs=(P(), P(), P(ALL), (P(),) * n_tables, P(ALL), P(ALL), (P(ALL),) * len(expert_names), P(ALL),
+        in_specs=(P(), P(), P(), P(ALL), (P(),) * n_tables, P(ALL), P(ALL), (P(ALL),) * len(expert_names), P(ALL),
                   state_specs),
-        out_specs=(P(ALL), P(ALL), state_specs), check_vma=False)
+        out_specs=((P(ALL),) * n_out, state_specs), check_vma=False)
+    row_seq, row_offset = jnp.asarray(plan.row_seq()), jnp.asarray(plan.row_offset())
 
-    def step(weights, cache, tokens):
+    def run(weights, cache, tokens):
+        pos = cache["pos"].astype(jnp.int32)
+        state_row = cache.get("state_row", jnp.zeros((S,), jnp.int32)).astype(jnp.int32)
+        row_pos = pos[row_seq] + row_offset                          # [B] each row's position
         rank = jnp.arange(N, dtype=jnp.int32)
         table_args = tuple(jnp.asarray(tables[n]) for n in refs_mod.TABLES)
-        states = tuple(cache[n] for n in state_names)
-        logits, prefix, new_states = mapped(tokens.astype(jnp.int32), cache["pos"].astype(jnp.int32), rank,
-                                    table_args, weights["embed"], weights["tiles"],
-                                    tuple(weights[n] for n in expert_names), weights["vectors"], states)
-        # [N * rows, cols] (device r's vocabulary block r) -> [B, V]
-        logits = logits.reshape(N, plan.rows, -1)[:, :B, :V].transpose(1, 0, 2).reshape(B, N * V)
-        new_cache = dict(zip(state_names, new_states), pos=cache["pos"] + 1)
+        outs, new_states = mapped(tokens.astype(jnp.int32).reshape(B), row_pos, state_row, rank, table_args,
+                                  weights["embed"], weights["tiles"], tuple(weights[n] for n in expert_names),
+                                  weights["vectors"], tuple(cache[n] for n in STATE_NAMES))
+        logits, prefix = outs[0], outs[1]
+        # [N * rows, cols] (device r's vocabulary block r) -> [S, T, V]
+        logits = logits.reshape(N, plan.rows, -1)[:, :B, :V].transpose(1, 0, 2).reshape(S, T, N * V)
+        block = dict(zip(STATE_NAMES, new_states), pos=pos, state_row=state_row,
+                     prefix=prefix.reshape(N, plan.rows, -1)[:, :B])
+        if n_aux:                                                    # replicated: device 0's copy
+            block["aux"] = outs[2][:n_aux, :B].reshape(n_aux, S, T, -1).transpose(1, 2, 0, 3)
+        return logits, block
+
+    return run
+
+
+def commit(block: dict, count) -> dict:
+    """The cache after a step whose rows 0..count[s] of each sequence s are accepted (count [S] int32
+    in [0, T-1]): pos advances by count + 1 and `state_row` = count selects the post-state of row
+    count (the states of every row are in the block already: rolling back copies nothing). MLA
+    slots of rejected rows lie past the new position: masked until the next step overwrites them."""
+    count = jnp.asarray(count, jnp.int32)
+    out = {n: block[n] for n in STATE_NAMES}
+    out.update(pos=block["pos"] + count + 1, state_row=count)
+    return out
+
+
+def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
+    """`step(weights, cache, tokens) -> (logits [B, V] f32, cache)`: the decode step, i.e. the
+    T = 1 case of `sharded_block` committed at row 0; weights from `mk.kernel.kernel_weights(plan,
+    params, mesh)`, cache as `mk.reference.init_cache`, tokens [B].
+    return_prefix: also return every device's final residual prefix p, [N, B, d] bf16 (replicated
+    state: the same bits on every device)."""
+    if plan.seq_rows != 1:
+        raise ValueError(f"sharded_step is the decode step (k = 0); this plan verifies k = {plan.k} drafts "
+                         f"(use sharded_block)")
+    run = sharded_block(plan, mesh, interpret)
+
+    def step(weights, cache, tokens):
+        logits, block = run(weights, cache, tokens.reshape(plan.sequences, 1))
+        new_cache = commit(block, jnp.zeros((plan.sequences,), jnp.int32))
+        if "state_row" not in cache:                 # the reference's layout: no state_row (always 0)
+            del new_cache["state_row"]
         if return_prefix:
-            return logits, new_cache, prefix.reshape(N, plan.rows, -1)[:, :B]
-        return logits, new_cache
+            return logits[:, 0], new_cache, block["prefix"]
+        return logits[:, 0], new_cache
 
     return step
 
@@ -269,3 +337,10 @@ def make_decode_step(plan: Plan, interpret=None, mesh=None, return_prefix: bool 
     """
     step = sharded_step(plan, mesh if mesh is not None else default_mesh(plan), interpret, return_prefix)
     return jax.jit(step, donate_argnums=(1,))
+
+
+def make_verify_step(plan: Plan, interpret=None, mesh=None):
+    """verify(weights, cache, tokens [S, 1 + k]) -> (logits [S, 1 + k, V] f32, block), jitted, the
+    cache donated; see `sharded_block` (cache and block) and `commit` (the next step's cache)."""
+    return jax.jit(sharded_block(plan, mesh if mesh is not None else default_mesh(plan), interpret),
+                   donate_argnums=(1,))

@@ -5,6 +5,12 @@ projection. The layer's recurrent and conv states are DMA'd HBM -> VMEM at entry
 the projections) and written back in place (the HBM arrays are aliased to the outputs).
 The delta rule runs per (row, head) on a [D, D] fp32 state with elementwise ops: the function
 is `mk.layers.kda.kda_head`, the very one the reference maps over rows and heads.
+
+The row model (`mk.plan.Plan.row_seq`): states live in HBM per ROW, [rows, n_kda, ...]. The
+first row of a sequence starts from the state of its sequence's row `state_row[seq]` (the row a
+previous verify step accepted; 0 for plain decode), every later row from the row before it: the
+conv and the delta rule chain row to row, in order, and every row's post-state is written back
+to its own row. The next step picks any of them by `state_row`: rollback copies nothing.
 """
 from __future__ import annotations
 
@@ -18,23 +24,51 @@ from mk.layers.common import bf, f32, sigmoid
 from mk.layers.kda import kda_head
 
 
+def first_of_sequence(r, b: int):
+    """Whether row b starts its sequence's block (traced, from the SMEM row table)."""
+    if b == 0:
+        return jnp.bool_(True)
+    return r.row_seq[b] != r.row_seq[b - 1]
+
+
+def source_row(r, b: int):
+    """The VMEM row whose state row b continues: itself (loaded from HBM) or the row before."""
+    if b == 0:
+        return 0
+    return jnp.where(first_of_sequence(r, b), b, b - 1)
+
+
 class StateCopies:
-    """DMA descriptors moving layer i's KDA states between HBM and VMEM, one per batch row."""
+    """DMA descriptors moving layer i's KDA and conv states between HBM and VMEM: `load` the state
+    each sequence starts from (into its first row), `store` every row's post-state (to its row)."""
 
     def __init__(self, r, i, batch):
         self.r, self.i, self.batch = r, i, batch
 
-    def _pairs(self):
+    def _pairs(self, b, hbm_row):
         r, i = self.r, self.i
-        for b in range(self.batch):
-            yield (r.kda_state_hbm.at[b, i], r.kda_state.at[b], r.state_sems.at[0, b])
-            yield (r.conv_state_hbm.at[b, i], r.conv_state.at[b], r.state_sems.at[1, b])
+        yield (r.kda_state_hbm.at[hbm_row, i], r.kda_state.at[b], r.state_sems.at[0, b])
+        yield (r.conv_state_hbm.at[hbm_row, i], r.conv_state.at[b], r.state_sems.at[1, b])
 
-    def load(self):
-        return [pltpu.make_async_copy(src, dst, sem) for src, dst, sem in self._pairs()]
+    def load(self, b):
+        """Row b's load (issue it only where row b is the first of its sequence)."""
+        hbm_row = b + self.r.state_row[self.r.row_seq[b]]
+        return [pltpu.make_async_copy(src, dst, sem) for src, dst, sem in self._pairs(b, hbm_row)]
 
     def store(self):
-        return [pltpu.make_async_copy(dst, src, sem) for src, dst, sem in self._pairs()]
+        return [pltpu.make_async_copy(dst, src, sem) for b in range(self.batch)
+                for src, dst, sem in self._pairs(b, b)]
+
+
+def _when_first(r, b, copies, method):
+    """`c.method()` for each copy where row b starts its sequence (statically for row 0)."""
+    def run():
+        for c in copies:
+            getattr(c, method)()
+    if b == 0:
+        run()
+    else:
+        pl.when(first_of_sequence(r, b))(run)
 
 
 def kda(k, a, i):
@@ -50,9 +84,8 @@ def kda(k, a, i):
     copies = StateCopies(r, i, B)
 
     with jax.named_scope("kda_state_in"):
-        loads = copies.load()
-        for c in loads:
-            c.start()
+        for b in range(B):
+            _when_first(r, b, copies.load(b), "start")
     with jax.named_scope("kda_projections"):
         f = bf(ring.matmul(a, f_a)[:, :D])
         g_raw = bf(ring.matmul(f, f_b)[:, :HD])
@@ -60,13 +93,14 @@ def kda(k, a, i):
         q_t, k_t, v_t, g_o = (bf(proj.part(n).cols(y)) for n in "qkvg")
         beta = proj.part("b")                                                # H lanes, 128-aligned
         r.beta_raw[...] = bf(y[:, beta.offset:beta.offset + r.beta_raw.shape[1]])
-    for c in loads:
-        c.wait()
+    for b in range(B):
+        _when_first(r, b, copies.load(b), "wait")
 
     with jax.named_scope("kda_conv"):
         for b in range(B):
+            src = source_row(r, b)
             for j, new in enumerate((q_t, k_t, v_t)):
-                history = f32(r.conv_state[b, j])                                       # [C-1, HD]
+                history = f32(r.conv_state[src, j])                                     # [C-1, HD]
                 window = [history[t:t + 1] for t in range(C - 1)] + [f32(new[b:b + 1])]  # oldest first
                 acc = window[0] * k.vec(f"conv{j}_0", HD)
                 for t in range(1, C):
@@ -80,14 +114,16 @@ def kda(k, a, i):
     with jax.named_scope("kda_delta_rule"):
         o_norm = k.vec("o_norm", D)
         lanes = jax.lax.broadcasted_iota(jnp.int32, (r.beta_raw.shape[1], D), 0)
-        for b in range(B):
-            def head(h, carry, b=b):
+        for b in range(B):                                   # in row order: row b continues src
+            src = source_row(r, b)
+
+            def head(h, carry, b=b, src=src):
                 off = pl.multiple_of(h * D, D)
                 feat = lambda n: r.kda_feat[n, pl.ds(b, 1), pl.ds(off, D)]             # [1, D]
                 beta = sigmoid(jnp.dot(r.beta_raw[pl.ds(b, 1), :], (lanes == h).astype(jnp.bfloat16),
                                        preferred_element_type=jnp.float32))              # [1, D]
                 r.attn_out[pl.ds(b, 1), pl.ds(off, D)], r.kda_state[b, h] = kda_head(
-                    r.kda_state[b, h], *(feat(n) for n in range(4)), beta, feat(4), o_norm, cfg.eps)
+                    r.kda_state[src, h], *(feat(n) for n in range(4)), beta, feat(4), o_norm, cfg.eps)
                 return carry
             jax.lax.fori_loop(0, H, head, 0)
 

@@ -4,6 +4,12 @@ Projections stream through the ring (fused q_a|kv_a|g, then q_b, then kv_b). Att
 row's cache in 128-position blocks, DMA'd HBM -> VMEM, with an online softmax. The block that
 holds the row's position gets the new key/value merged in (by position mask) before it is used,
 and is the only block written back: only touched slices move.
+
+The row model: row b reads and writes the cache of its sequence `row_seq[b]` at its position
+`row_pos[b]` (SMEM). Rows run in order, so the rows of a verify block (consecutive positions of
+one sequence) see each other causally: row t attends to slots 0..pos + t, which hold the earlier
+rows' keys/values already written back. Slots past a row's position (drafts a previous step
+rejected) are masked, and overwritten when a later row reaches them.
 """
 from __future__ import annotations
 
@@ -18,17 +24,19 @@ from mk.layers.mla import BLOCK, attend_block, softmax_start
 
 
 def _block_copies(r, b, i, j):
-    """Descriptors for cache block j of row b, layer i: (K, V) HBM <-> VMEM."""
+    """Descriptors for cache block j of row b's sequence, layer i: (K, V) HBM <-> VMEM."""
     rows = pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK)
-    return ((r.mla_k_hbm.at[b, i, :, rows], r.k_block, r.cache_sems.at[0]),
-            (r.mla_v_hbm.at[b, i, :, rows], r.v_block, r.cache_sems.at[1]))
+    seq = r.row_seq[b]
+    return ((r.mla_k_hbm.at[seq, i, :, rows], r.k_block, r.cache_sems.at[0]),
+            (r.mla_v_hbm.at[seq, i, :, rows], r.v_block, r.cache_sems.at[1]))
 
 
 def _attend_row(k, b, i):
-    """Online-softmax attention of row b over positions 0..pos[b]; writes attn_out row b."""
+    """Online-softmax attention of row b over its sequence's positions 0..row_pos[b]; writes
+    the row's key/value at row_pos[b] and attn_out row b."""
     cfg, r = k.cfg, k.refs
     H, D, Kc = k.plan.heads, cfg.head_dim, cfg.k_cache_dim
-    pos = r.positions[b]
+    pos = r.row_pos[b]
     n_blocks = pos // BLOCK + 1
     m, l, acc = softmax_start(D)
     r.softmax[0] = jnp.broadcast_to(m, (H, 1, 128))
@@ -106,7 +114,7 @@ def mla(k, a, i):
         r.mla_q[...] = bf(ring.matmul(c_q, q_b)[:, :r.mla_q.shape[1]])
         r.mla_kv[...] = bf(ring.matmul(c_kv, kv_b)[:, :r.mla_kv.shape[1]])
     with jax.named_scope("mla_attention"):
-        for b in range(k.plan.batch):
+        for b in range(k.plan.batch):                    # in row order: causal within a verify block
             _attend_row(k, b, i)
     with jax.named_scope("mla_out_proj"):
         return bf(all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim]))

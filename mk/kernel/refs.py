@@ -10,8 +10,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.plan import Buffer, Plan
 
-SCALARS = ("tokens", "positions", "rank")   # [B], [B], [1]: this device's rank in the mesh
-TABLES = ("expert_at", "next_base", "is_mla", "family_index", "n_attn_blocks", "n_mlp_blocks")
+# Launch inputs in SMEM, per step: tokens [B] and row_pos [B] (each row's token and position; B =
+# plan.batch rows), state_row [S] (per sequence: which of its rows' states in HBM the step starts
+# from, the accepted row of the previous verify step), rank [1] (this device's rank in the mesh).
+SCALARS = ("tokens", "row_pos", "state_row", "rank")
+# Plan tables in SMEM (`Plan.tables`): per layer, and per row (row_seq: each row's sequence).
+TABLES = ("expert_at", "next_base", "is_mla", "family_index", "n_attn_blocks", "n_mlp_blocks", "row_seq",
+          "aux_slot")
 # HBM inputs; the routed experts' entries depend on their format (`expert_inputs`).
 INPUTS = ("embed", "tiles", "experts", "vectors_hbm", "kda_state_in", "conv_state_in", "mla_k_in", "mla_v_in")
 EXPERT_INPUTS = {"bf16": ("experts",), "mxfp4": ("expert_codes", "expert_scales")}
@@ -37,13 +42,14 @@ def _pallas_type(b: Buffer):
     return space(b.shape, jnp.dtype(b.dtype))
 
 
-def vmem_outputs(plan: Plan) -> list[Buffer]:
-    """The pallas_call's VMEM outputs (logits, final prefix p); the aliased HBM outputs follow."""
+def new_outputs(plan: Plan) -> list[Buffer]:
+    """The pallas_call's own outputs: logits and final prefix p (VMEM), the aux rows (HBM, when the
+    plan has aux layers); the aliased HBM state outputs follow them."""
     return [b for b in plan.buffers if b.output]
 
 
 def outputs(plan: Plan) -> list[str]:
-    return [b.name for b in vmem_outputs(plan)] + list(ALIASES.values())
+    return [b.name for b in new_outputs(plan)] + list(ALIASES.values())
 
 
 def scratch_shapes(plan: Plan) -> list:
