@@ -451,6 +451,8 @@ class Phase:
     writeback_bytes: int = 0         # ... and writes back asynchronously when it ends
     collective_bytes: int = 0        # bytes this device sends in a collective phase
     link: str = "ici"                # a collective's link
+    overlap: int = 0                 # a collective: the next `overlap` phases run while it is in flight
+                                     # (the one after them waits for it); 0: the core waits at once
     dmas: tuple[int, ...] = ()
     dtype: str = "bf16"              # MXU rate: 'bf16' | 'fp8' | 'fp4'
     vector_ops: int = 0              # extra elementwise ops of an mxu phase (in-VMEM dequantization)

@@ -145,11 +145,13 @@ def schedule(plan, distinct_experts: list[float]):
     state_bytes = B * H * (D * D * 4 + (c.conv_size - 1) * 3 * D * 2)   # KDA state f32 + conv state bf16
     b = _Builder(plan)
 
-    def collective(l, name):
+    def collective(l, name, overlap=0):
+        if N == 1:                                              # one device: nothing to exchange
+            return None
         x = colls[name]
         if o.message_rows == "packed" and not seed:
             x = dataclasses.replace(x, rows=B)
-        return b.phase(l, name, "collective", collective_bytes=x.remote_bytes, link=x.link)
+        return b.phase(l, name, "collective", collective_bytes=x.remote_bytes, link=x.link, overlap=overlap)
 
     def matmul(l, m: Matrix, tensor=None, scale=1.0, after=-1, **kw):
         tensor = tensor or m.name
@@ -243,16 +245,19 @@ def schedule(plan, distinct_experts: list[float]):
                 if m.name != "moe.router":
                     b.load(l, m, m.name, last_attn, slot=m.name)
         routing = None
+        topk = lambda: vector(l, "routing", 0, c.top_k * B * round_up(c.experts, 128) * 4, fixed_cost="routing")
         for m in mlp:
             matmul(l, m)
             if m.name == "moe.router":
                 if seed:
                     collective(l, "router_exchange")
-                routing = vector(l, "routing", 0, c.top_k * B * round_up(c.experts, 128) * 4, fixed_cost="routing")
+                else:
+                    routing = topk()
             elif m.name == "moe.in" and N > 1:
                 collective(l, "moe_latent")
-            elif m.name == "moe.latent_down":
-                collective(l, "latent_gather")
+            elif m.name == "moe.latent_down":       # spec 3.8: the latent all-gather flies during the top-k loop
+                collective(l, "latent_gather", overlap=1)
+                routing = topk()
         # routed experts: known once routing is done; at B = 1 the seed issues each as top-k selects it
         anchor = routing - 1 if o.expert_issue == "selection" and B == 1 else routing
         n = float(distinct_experts[l - 1])

@@ -38,6 +38,7 @@ the modelled step as Chrome trace-event JSON (Perfetto, XProf), one track per en
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Any, Sequence
 
@@ -149,23 +150,30 @@ def as_machine(m) -> Machine:
 # Engines
 # ------------------------------------------------------------------------------------------------
 class Transfer:
-    __slots__ = ("key", "label", "bytes", "remaining", "slot", "issued", "begin", "done", "consumed")
+    __slots__ = ("key", "label", "bytes", "slot", "issued", "begin", "done", "consumed", "finish")
 
     def __init__(self, key, label, nbytes, slot=None):
         self.key, self.label, self.slot = key, label, slot
-        self.bytes = self.remaining = float(nbytes)
-        self.issued = self.begin = self.done = None
+        self.bytes = float(nbytes)
+        self.issued = self.begin = self.done = self.finish = None
         self.consumed = False
 
 
 class DmaEngine:
     """Transfers sharing one bandwidth `bw` equally (processor sharing); each first waits `latency`
-    (no bandwidth used). `spans` records (begin, done, label) per transfer and the busy intervals."""
+    (no bandwidth used). `spans` records (begin, done, label) per transfer, `busy` the intervals
+    with a transfer in progress.
+
+    Every active transfer is served at the same rate, bw / n, so the engine keeps one counter of
+    the service each active transfer has received (`served`, bytes): a transfer that starts when it
+    reads S finishes when it reads S + its bytes. Both queues are heaps: O(log n) per event."""
 
     def __init__(self, name: str, bw: float, latency: float, record: bool = True):
         self.name, self.bw, self.latency, self.record = name, float(bw), float(latency), record
-        self.waiting: list[Transfer] = []          # inside their latency
-        self.active: list[Transfer] = []
+        self.waiting: list = []            # (begin, seq, transfer): inside their latency
+        self.active: list = []             # (finish, seq, transfer)
+        self.served = 0.0
+        self.seq = 0
         self.spans: list[tuple[float, float, str]] = []
         self.busy: list[tuple[float, float]] = []
         self._busy_since = None
@@ -174,7 +182,8 @@ class DmaEngine:
     def start(self, tr: Transfer, now: float, latency: float | None = None):
         tr.issued = now
         tr.begin = now + (self.latency if latency is None else latency)
-        self.waiting.append(tr)
+        self.seq += 1
+        heapq.heappush(self.waiting, (tr.begin, self.seq, tr))
         self.moved += tr.bytes
 
     @property
@@ -182,9 +191,9 @@ class DmaEngine:
         return not self.waiting and not self.active
 
     def next_event(self, now: float) -> float:
-        t = min((tr.begin for tr in self.waiting), default=INF)
+        t = self.waiting[0][0] if self.waiting else INF
         if self.active:
-            t = min(t, now + min(tr.remaining for tr in self.active) * len(self.active) / self.bw)
+            t = min(t, now + max(0.0, self.active[0][0] - self.served) * len(self.active) / self.bw)
         return t
 
     def advance(self, now: float, t: float) -> list[Transfer]:
@@ -192,29 +201,22 @@ class DmaEngine:
         that completed at `t`."""
         done = []
         if self.active:
-            moved = self.bw / len(self.active) * (t - now)
-            keep = []
-            for tr in self.active:
-                tr.remaining -= moved
-                if tr.remaining <= _EPS * max(1.0, tr.bytes * 1e-9):
-                    tr.remaining, tr.done = 0.0, t
-                    done.append(tr)
-                else:
-                    keep.append(tr)
-            self.active = keep
-        still = []
-        for tr in self.waiting:
-            if tr.begin <= t + _T_EPS:
-                if tr.remaining <= _EPS:
-                    tr.remaining, tr.done = 0.0, max(t, tr.begin)
-                    done.append(tr)
-                else:
-                    if self.record and self._busy_since is None:
-                        self._busy_since = t
-                    self.active.append(tr)
-            else:
-                still.append(tr)
-        self.waiting = still
+            self.served += self.bw / len(self.active) * (t - now)
+            while self.active and self.active[0][0] <= self.served + max(_EPS, 1e-12 * self.served):
+                tr = heapq.heappop(self.active)[2]
+                tr.done = t
+                done.append(tr)
+        while self.waiting and self.waiting[0][0] <= t + _T_EPS:
+            tr = heapq.heappop(self.waiting)[2]
+            if tr.bytes <= _EPS:
+                tr.done = max(t, tr.begin)
+                done.append(tr)
+                continue
+            if self.record and self._busy_since is None:
+                self._busy_since = t
+            self.seq += 1
+            tr.finish = self.served + tr.bytes
+            heapq.heappush(self.active, (tr.finish, self.seq, tr))
         if self.record:
             for tr in done:
                 self.spans.append((tr.begin, tr.done, tr.label))
@@ -296,6 +298,8 @@ class PhaseExecutor:
         self.spans: dict[str, list] = {"mxu": [], "vector": [], "launch": []}
         self.kernel_ready = 0.0
         self.issuer: _Issuer | None = None
+        self.inflight: dict[int, list] = {}      # phase index -> collectives it must wait for
+        self.current_since = 0.0                 # when the current phase became current
         self._reset()
 
     def _reset(self):
@@ -329,6 +333,8 @@ class PhaseExecutor:
             eng = self.eng.setdefault(ph.link, DmaEngine(ph.link, bw, lat, self.record))
             self.stream = Transfer(("c", self.p), f"L{ph.layer}:{ph.name}", ph.collective_bytes)
             eng.start(self.stream, now)
+            if ph.overlap:                       # in flight while the next phases run
+                self.inflight.setdefault(self.p + ph.overlap + 1, []).append((self.stream, lat, ph.collective_bytes / bw))
             return
         if ph.hbm_bytes:
             self.stream = Transfer(("h", self.p), f"L{ph.layer}:{ph.name}:cache", ph.hbm_bytes)
@@ -349,6 +355,7 @@ class PhaseExecutor:
         if ph.writeback_bytes:
             self.eng["dma"].start(Transfer(("wb", self.p), f"L{ph.layer}:{ph.name}:writeback", ph.writeback_bytes), now)
         self.p += 1
+        self.current_since = now
         self._reset()
         if self.p < self.n and self.ph[self.p].kernel is not None:       # a new kernel launch
             gap = self.m.launch_gap
@@ -365,9 +372,20 @@ class PhaseExecutor:
         if self.start[self.p] is None:
             if ph.kernel is not None and now + _T_EPS < self.kernel_ready:
                 return False
+            waits = self.inflight.get(self.p, ())
+            if any(tr.done is None for tr, *_ in waits):
+                return False
+            if waits and now > self.current_since:          # waited for overlapped collectives
+                lat, byt = max(((l, b) for tr, l, b in waits), key=lambda x: x[0] + x[1])
+                dt = now - self.current_since
+                self._add("collective latency", dt * lat / (lat + byt))
+                self._add("collective bytes", dt * byt / (lat + byt))
             self._begin(now)
             return True
         if ph.kind == "collective":
+            if ph.overlap:
+                self._finish(now)
+                return True
             if self.stream.done is None:
                 return False
             lat, bw = self.m.link(ph.link)
@@ -612,6 +630,55 @@ def mk_plan(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAUL
     return make_plan(cfg, batch, prefetch_depth=prefetch_depth, check=False, **kw)
 
 
+def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT) -> tuple[Plan, dict]:
+    """`mk_plan` with MXFP4 experts, or with bf16 expert tiles where `make_plan` refuses MXFP4 for the
+    layout (then `info["note"]` says why); `info` describes the plan."""
+    note = ""
+    try:
+        plan = mk_plan(cfg, batch, system, context)
+    except planlib.PlanError as e:
+        if "MXFP4" not in str(e):
+            raise
+        plan = mk_plan(cfg, batch, system, context, experts="bf16")
+        note = f"MXFP4 experts refused for this layout ({e}); modelled with bf16 expert tiles"
+    info = {"options": plan.options.name, "experts": plan.experts, "prefetch_depth": plan.prefetch_depth,
+            "tile": [plan.tile_k, plan.tile_n], "devices": plan.devices, "ep": plan.layout.ep,
+            "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel}
+    if note:
+        info["note"] = note
+    return plan, info
+
+
+# Plan changes toward the seed's schedule's strengths, applied one after another to mk's plan
+# (`mk_whatifs`): what each would buy. Only the first is what the kernel executes today.
+MK_WHATIFS = (
+    ("mk's kernel today (mk.plan.MK)", {}),
+    ("+ collective messages packed to B rows (bf16 lane-dense, as the seed)", {"message_rows": "packed"}),
+    ("+ 256 x 512 tiles (narrow matrices padded less)", {"tile": (256, 512)}),
+    ("+ the seed's FP8 gate/up, MXFP4 down on the fp8 MXU path", {"expert_gate_up": "fp8", "expert_down": "mxfp4",
+                                                                 "mxfp4_matmul": "fp8"}),
+)
+
+
+def mk_whatifs(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT,
+               straggler: bool = True) -> list[dict]:
+    """mk's plan with the `MK_WHATIFS` changes applied cumulatively: name, options changed, modelled
+    step. Each is a plan option the simulator models; the kernel runs only the first."""
+    base, info = mk_plan_for(cfg, batch, system, context)
+    opts, tile, rows = base.options, (base.tile_k, base.tile_n), []
+    for name, change in MK_WHATIFS:
+        change = dict(change)
+        tile = change.pop("tile", tile)
+        if change:
+            opts = dataclasses.replace(opts, name="mk what-if", **change)
+        plan = mk_plan(cfg, batch, system, context, options=opts, tile=tile, experts=base.experts)
+        r = model(cfg, batch, system, plan, context=context, straggler=straggler)
+        rows.append({"name": name, "options": opts.differences(MK), "tile": list(tile),
+                     "prefetch_depth": plan.prefetch_depth, "step_time_s": r.step_time,
+                     "tokens_per_s": r.tokens_per_s, "hbm_floor_s": r.hbm_floor, "breakdown_s": r.breakdown})
+    return rows
+
+
 def model(cfg: K3Config, batch: int, system="tpu-v7x16", plan: str | Plan = "seed", *,
           context: int = DEFAULT_CONTEXT, straggler: bool = True, record: bool = False,
           machine: Machine | None = None) -> SimResult:
@@ -622,7 +689,7 @@ def model(cfg: K3Config, batch: int, system="tpu-v7x16", plan: str | Plan = "see
     if isinstance(plan, str):
         if plan not in PLANS:
             raise SimError(f"plan must be one of {PLANS} or a mk.plan.Plan, found {plan!r}")
-        plan = seed_plan(cfg, batch, s, context) if plan == "seed" else mk_plan(cfg, batch, s, context)
+        plan = seed_plan(cfg, batch, s, context) if plan == "seed" else mk_plan_for(cfg, batch, s, context)[0]
     return simulate(plan, machine or Machine.from_system(s), record=record,
                     distinct_experts=expert_counts(cfg, batch, plan.layout, straggler))
 
@@ -640,11 +707,21 @@ def predict(cfg: K3Config, batch: int, system: str = "tpu-v7x16", *, context: in
     """Modelled step of each plan in `plans`, then the published figure and the ratio for the seed's
     schedule. The model runs with data/published.csv locked (`hardware.published_locked`)."""
     s = _system(system)
+    res, info = {}, {}
+    if s.program != "megakernel":
+        plans = [p for p in plans if p != "mk"]          # mk's kernel is a TPU program
     with hwlib.published_locked():
-        res = {p: model(cfg, batch, s, p, context=context, straggler=straggler, record=record) for p in plans}
+        for p in plans:
+            if p == "mk":
+                plan, info = mk_plan_for(cfg, batch, s, context)
+            else:
+                plan = p
+            res[p] = model(cfg, batch, s, plan, context=context, straggler=straggler, record=record)
     pub = hwlib.published_value(s.published_system, "plain", batch)
     out = {"system": s.name, "batch": batch, "schedule": "seed", "context": context,
            "published_tok_s": pub, "_results": res}
+    if info:
+        out["mk_plan"] = info
     for p, r in res.items():
         out[p] = r.summary()
     if "seed" in res:
