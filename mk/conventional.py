@@ -18,7 +18,10 @@ each sublayer (with its RMSNorm), the full-rank KDA output gate projection, MLA'
 """
 from __future__ import annotations
 
+import dataclasses
+
 from mk.plan import Matrix, Phase, PlanError, WeightDMA
+from mk.schedule import expert_rows
 
 DECOMPOSITION_SOURCE = ("vLLM Kimi-Linear model code (kimi_linear.py, layers/kda.py @ 01a7e5d) and DeepSeek-V2 MLA "
                         "decode; K3-only ops (AttnRes mixing, full-rank KDA gate, MLA output gate, latent MoE): "
@@ -49,16 +52,18 @@ def schedule(plan, distinct_experts: list[float]):
         phases.append(Phase(len(phases), l, name, kind, rows=B, pipelined=True, kernel=f"{l}:{name}", **kw))
         return len(phases) - 1
 
-    def gemm(l, name, mats: list[tuple[Matrix, float]]):
-        """One GEMM kernel streaming `mats` (matrix, fraction) through its own slot."""
+    def gemm(l, name, mats: list[tuple[Matrix, float]], rows=B):
+        """One GEMM kernel streaming `mats` (matrix, fraction) through its own slot; `rows` LHS rows
+        per matrix."""
         j = len(phases)
         ids = []
         for i, (m, frac) in enumerate(mats):
             ids.append(len(dmas))
             dmas.append(WeightDMA(len(dmas), l, f"{name}#{i}" if len(mats) > 1 else name, 0,
                                   int(round(m.tile_bytes * frac)), 1_000_000 + len(dmas), j))
-        flops = sum(2 * B * m.k * m.n * f for m, f in mats)
+        flops = sum(2 * rows * m.k * m.n * f for m, f in mats)
         kernel(l, name, "mxu", flops=int(flops), dtype=_MXU[mats[0][0].format], dmas=tuple(ids))
+        phases[-1] = dataclasses.replace(phases[-1], rows=max(1, round(rows)))
 
     def vec(l, name, flops=0, nbytes=0, state=0):
         """An elementwise kernel: reads its activations (and a state of `state` bytes) from HBM,
@@ -137,9 +142,10 @@ def schedule(plan, distinct_experts: list[float]):
         whole, frac = int(n), n - int(n)
         experts = lambda m: [(m, 1.0)] * whole + ([(m, frac)] if frac > 1e-9 else [])
         if n > 0:
-            gemm(l, "moe.w13", experts(plan.expert_gu))
+            rows = expert_rows(plan, n)
+            gemm(l, "moe.w13", experts(plan.expert_gu), rows)
             vec(l, "moe.act", B * c.top_k * plan.expert_down.k * 8)
-            gemm(l, "moe.w2", experts(plan.expert_down))
+            gemm(l, "moe.w2", experts(plan.expert_down), rows)
         vec(l, "moe.sum", B * c.top_k * c.latent * 2)
         vec(l, "moe.latent_norm", B * c.latent * 4)
         gemm(l, "moe.latent_up", [(s.matrix("moe.latent_up"), 1.0)])

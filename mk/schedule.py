@@ -88,6 +88,13 @@ def attention_collectives(plan) -> list[str]:
     return ["attn_reduce_host", "attn_reduce_cross_host", "attn_pair_swap", "attn_row_gather"]
 
 
+def expert_rows(plan, distinct: float) -> float:
+    """Rows one distinct routed expert multiplies on average: the device's (row, expert) routes, B x
+    top_k / ep, shared by its `distinct` experts (at least one row; the MXU pads to its tile anyway)."""
+    c = plan.config
+    return max(1.0, plan.batch * c.top_k / plan.layout.ep / max(distinct, 1e-9))
+
+
 class _Builder:
     """Collects DMAs (issue order) and phases (execution order); a phase consumes the DMAs queued
     under its key."""
@@ -153,7 +160,7 @@ def schedule(plan, distinct_experts: list[float]):
             x = dataclasses.replace(x, rows=B)
         return b.phase(l, name, "collective", collective_bytes=x.remote_bytes, link=x.link, overlap=overlap)
 
-    def matmul(l, m: Matrix, tensor=None, scale=1.0, after=-1, **kw):
+    def matmul(l, m: Matrix, tensor=None, scale=1.0, after=-1, rows=B, **kw):
         tensor = tensor or m.name
         if (l, tensor) not in b.pending:
             b.load(l, m, tensor, after, scale=scale)
@@ -162,8 +169,8 @@ def schedule(plan, distinct_experts: list[float]):
             dtype = "fp8"
         elif m.format == "mxfp4":
             dtype, ops = o.mxfp4_matmul, DEQUANT_OPS[o.mxfp4_matmul]
-        return b.phase(l, tensor, "mxu", consumes=(l, tensor), rows=B, dtype=dtype,
-                       flops=int(2 * B * m.k_pad * m.n_pad * scale), vector_ops=int(ops * m.k * m.n * scale), **kw)
+        return b.phase(l, tensor, "mxu", consumes=(l, tensor), rows=max(1, round(rows)), dtype=dtype,
+                       flops=int(2 * rows * m.k_pad * m.n_pad * scale), vector_ops=int(ops * m.k * m.n * scale), **kw)
 
     def vector(l, name, flops=0, nbytes=0, **kw):
         return b.phase(l, name, "vector", rows=B, flops=int(flops), vector_bytes=int(nbytes), **kw)
@@ -261,13 +268,14 @@ def schedule(plan, distinct_experts: list[float]):
         # routed experts: known once routing is done; at B = 1 the seed issues each as top-k selects it
         anchor = routing - 1 if o.expert_issue == "selection" and B == 1 else routing
         n = float(distinct_experts[l - 1])
+        rows_e = expert_rows(plan, n)
         for e in range(math.ceil(n - 1e-9)):
             frac = min(1.0, n - e)
             for m, part in ((plan.expert_gu, "gu"), (plan.expert_down, "down")):
                 name = f"expert[{e}].{part}"
                 slot = f"expert_slot{e % o.expert_slots}.{part}" if o.expert_slots else None
                 b.load(l, m, name, anchor, slot=slot, scale=frac)
-                matmul(l, m, name, scale=frac)
+                matmul(l, m, name, scale=frac, rows=rows_e)
         last_expert = len(b.phases) - 1
         if look:
             post = s.post[0]

@@ -168,8 +168,9 @@ class DmaEngine:
     the service each active transfer has received (`served`, bytes): a transfer that starts when it
     reads S finishes when it reads S + its bytes. Both queues are heaps: O(log n) per event."""
 
-    def __init__(self, name: str, bw: float, latency: float, record: bool = True):
+    def __init__(self, name: str, bw: float, latency: float, record: bool = True, span_from_issue: bool = False):
         self.name, self.bw, self.latency, self.record = name, float(bw), float(latency), record
+        self.span_from_issue = span_from_issue      # spans from issue (a collective) or from the first byte
         self.waiting: list = []            # (begin, seq, transfer): inside their latency
         self.active: list = []             # (finish, seq, transfer)
         self.served = 0.0
@@ -219,7 +220,7 @@ class DmaEngine:
             heapq.heappush(self.active, (tr.finish, self.seq, tr))
         if self.record:
             for tr in done:
-                self.spans.append((tr.begin, tr.done, tr.label))
+                self.spans.append((tr.issued if self.span_from_issue else tr.begin, tr.done, tr.label))
             if not self.active and self._busy_since is not None:
                 self.busy.append((self._busy_since, t))
                 self._busy_since = None
@@ -330,7 +331,7 @@ class PhaseExecutor:
         self.start[self.p] = now
         if ph.kind == "collective":
             lat, bw = self.m.link(ph.link)
-            eng = self.eng.setdefault(ph.link, DmaEngine(ph.link, bw, lat, self.record))
+            eng = self.eng.setdefault(ph.link, DmaEngine(ph.link, bw, lat, self.record, span_from_issue=True))
             self.stream = Transfer(("c", self.p), f"L{ph.layer}:{ph.name}", ph.collective_bytes)
             eng.start(self.stream, now)
             if ph.overlap:                       # in flight while the next phases run
