@@ -61,7 +61,7 @@ def _trace_paths(path: str, combos: list[tuple]) -> dict[tuple, str]:
 def collect(config: str, systems: list[str], batches: list[int], context: int | None = None,
             straggler: bool = True, plans: tuple[str, ...] = ("seed", "mk"), trace: str | None = None) -> list[dict]:
     from mk.config import get_config
-    from mk import hardware, roofline, sim
+    from mk import conventional, hardware, roofline, sim
 
     cfg = get_config(config)
     ctx = sim.DEFAULT_CONTEXT if context is None else context
@@ -98,7 +98,9 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
                               else "one kernel per op (mk.plan.CONVENTIONAL; mk.conventional: vLLM's decomposition)"),
             "layout": system.setup.label(), "layout_source": system.setup.source,
             "layout_assumption": system.setup.assumption,
-            "assumptions": system.assumptions(),
+            "assumptions": system.assumptions() + (["K3-only kernels of the decomposition"]
+                                                   if system.program == "per_op" else []),
+            "decomposition": conventional.DECOMPOSITION_SOURCE if system.program == "per_op" else None,
             "constants": {k: c.summary() for k, c in system.constants.items()},
             "rows": rows,
         })
@@ -116,6 +118,8 @@ def format_table(report: list[dict]) -> str:
         lines.append(f"  layout source: {rep['layout_source']}")
         lines.append(f"  seed's schedule: {rep['seed_schedule']}; context {rep['context']}; experts per device: "
                      f"{'slowest expert-parallel group' if rep['straggler'] else 'mean'}")
+        if rep.get("decomposition"):
+            lines.append(f"  kernel decomposition: {rep['decomposition']}")
         hdr = (f"{'B':>3} | {'seed (modelled)':>20} | {'published':>9} | {'ratio':>5} | {'mk plan (modelled)':>20} | "
                f"{'mk/seed':>7} | {'mk/HBM floor':>12}")
         lines.append(hdr)
@@ -124,19 +128,24 @@ def format_table(report: list[dict]) -> str:
         for r in rep["rows"]:
             sd, mk = r.get("seed"), r.get("mk")
             cells = [f"{r['batch']:>3}"]
-            cells.append(f"{_ms(sd['step_time_s'])} {sd['tokens_per_s']:5.0f}/s" if sd else f"{'-':>20}")
+            cells.append(f"{_ms(sd['step_time_s']) + ' ' + format(sd['tokens_per_s'], '5.0f') + '/s':>20}" if sd else f"{'-':>20}")
             pub = r.get("published_tok_s")
             cells.append(f"{pub:7.0f}/s" if pub else f"{'-':>9}")
             cells.append(f"{r['ratio']:5.2f}" if sd and r.get("ratio") else f"{'-':>5}")
-            cells.append(f"{_ms(mk['step_time_s'])} {mk['tokens_per_s']:5.0f}/s" if mk else f"{'-':>20}")
+            cells.append(f"{_ms(mk['step_time_s']) + ' ' + format(mk['tokens_per_s'], '5.0f') + '/s':>20}" if mk else f"{'-':>20}")
             cells.append(f"{r['mk_speedup']:6.2f}x" if "mk_speedup" in r else f"{'-':>7}")
             cells.append(f"{r['mk_hbm_floor_ratio']:11.2f}x" if "mk_hbm_floor_ratio" in r else f"{'-':>12}")
             lines.append(" | ".join(cells))
             if r.get("mk_bubbles_s"):
                 top = ", ".join(f"{x['category']} +{x['extra_s'] * 1e3:.2f} ms" for x in r["mk_bubbles_s"][:4])
                 notes.append(f"  B={r['batch']}: mk slower than the seed's schedule; bubbles: {top}")
-            if r.get("mk_plan", {}).get("note"):
-                notes.append(f"  B={r['batch']}: mk plan: {r['mk_plan']['note']}")
+        plan_notes = {r["mk_plan"]["note"] for r in rep["rows"] if r.get("mk_plan", {}).get("note")}
+        notes += [f"  mk plan: {n}" for n in sorted(plan_notes)]
+        info = next((r["mk_plan"] for r in rep["rows"] if "mk_plan" in r), None)
+        if info:
+            notes.append(f"  mk plan: {info['devices']} devices (EP{info['ep']} x TP{info['tp_expert']} experts), "
+                         f"{info['experts']} experts, tiles {info['tile'][0]}x{info['tile'][1]}, prefetch depth "
+                         f"{info['prefetch_depth']} (the deepest ring that fits VMEM)")
         lines += notes
         lines.append("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster);"
                      " all times modelled (mk.sim)")
