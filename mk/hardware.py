@@ -1,7 +1,7 @@
 """Hardware facts for the performance model, loaded from the CSV tables in `data/`.
 
-Three tables, every value with its source (none of them is fitted to the K3 throughput table,
-which is the validation set):
+Four tables, every value with its source (none of them is fitted to the K3 throughput table,
+which is the validation set; the model runs with it locked, `published_locked`):
 
 - `data/hardware.csv` — datasheet facts per chip (TPU v5e, v5p, v6e, v7; H100, H200, B200, GB200),
   long format `chip,quantity,value,unit,scope,source,use`. Several sources may give the same
@@ -9,13 +9,18 @@ which is the validation set):
   (chip, quantity) has `use=1` and is the one the model reads. `scope` says whether the value is for
   the whole chip or one TensorCore.
 - `data/microbench.csv` — measured per-core / per-device microbenchmarks (DMA streaming rate,
-  collective phase latency, link bandwidths, kernel launch gap, ...) `system,quantity,value,...`.
+  collective latencies, link bandwidths, kernel launch gap, ...) and the few assumptions the model
+  needs (their source starts with "assumption"), `system,quantity,value,unit,low,high,source,note`;
+  `low`/`high` is the range the sensitivity sweep covers.
+- `data/systems.csv` — how each published run split the model (layout, expert storage, one program
+  or one kernel per op); one row per system with `use=1`, the others are alternatives to sweep.
 - `data/published.csv` — the published figures we compare against (`role=validation` for the
   K3 throughput table, `reference` for other published timings).
 
-`System` combines a chip with the microbenchmarks into the per-device numbers the roofline and the
-simulator need (one TensorCore of the TPU v7 system, one GPU of the GB200 system). Bad data raises
-`HardwareDataError` naming the file, the line, and the column.
+`System` combines a chip, the microbenchmarks and a layout into the per-device `Constant`s the
+roofline and the simulator read (one TensorCore of the TPU v7 system, one GPU of the GB200 system),
+each with its source and range. Bad data raises `HardwareDataError` naming the file, the line, and
+the column.
 """
 from __future__ import annotations
 

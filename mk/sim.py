@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from typing import Any, Sequence
 
 from mk.config import K3Config
 from mk.errors import UserError
 from mk import hardware as hwlib
 from mk import plan as planlib
-from mk.plan import MK, SEED, CONVENTIONAL, Phase, Plan, ScheduleOptions, WeightDMA, make_plan  # noqa: F401
+from mk.plan import CONVENTIONAL, MK, SEED, Plan, ScheduleOptions, make_plan
 
 
 class SimError(UserError, ValueError):
