@@ -18,8 +18,6 @@ each sublayer (with its RMSNorm), the full-rank KDA output gate projection, MLA'
 """
 from __future__ import annotations
 
-import dataclasses
-
 from mk.plan import Matrix, Phase, PlanError, WeightDMA
 from mk.schedule import expert_rows
 
@@ -48,8 +46,9 @@ def schedule(plan, distinct_experts: list[float]):
     phases: list[Phase] = []
     act = B * d * 2                                       # one [B, d] bf16 activation
 
-    def kernel(l, name, kind, **kw) -> int:
-        phases.append(Phase(len(phases), l, name, kind, rows=B, pipelined=True, kernel=f"{l}:{name}", **kw))
+    def kernel(l, name, kind, rows=B, **kw) -> int:
+        phases.append(Phase(len(phases), l, name, kind, rows=max(1, round(rows)), pipelined=True,
+                            kernel=f"{l}:{name}", **kw))
         return len(phases) - 1
 
     def gemm(l, name, mats: list[tuple[Matrix, float]], rows=B):
@@ -62,8 +61,7 @@ def schedule(plan, distinct_experts: list[float]):
             dmas.append(WeightDMA(len(dmas), l, f"{name}#{i}" if len(mats) > 1 else name, 0,
                                   int(round(m.tile_bytes * frac)), 1_000_000 + len(dmas), j))
         flops = sum(2 * rows * m.k * m.n * f for m, f in mats)
-        kernel(l, name, "mxu", flops=int(flops), dtype=_MXU[mats[0][0].format], dmas=tuple(ids))
-        phases[-1] = dataclasses.replace(phases[-1], rows=max(1, round(rows)))
+        kernel(l, name, "mxu", rows, flops=int(flops), dtype=_MXU[mats[0][0].format], dmas=tuple(ids))
 
     def vec(l, name, flops=0, nbytes=0, state=0):
         """An elementwise kernel: reads its activations (and a state of `state` bytes) from HBM,

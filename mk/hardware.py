@@ -475,15 +475,15 @@ class System:
         except KeyError:
             raise HardwareDataError(f"system {self.name}: no constant {name!r} (have {sorted(self.constants)})") from None
 
-    def replace(self, setup: SystemLayout | None = None, **values: float) -> "System":
+    def replace(self, **values: float) -> "System":
         """This system with some constants set to other values (names with '.' as in `constants`:
-        pass them as a dict, `replace(**{"ici.latency": 3e-6})`), or another layout row."""
+        pass them as a dict, `replace(**{"ici.latency": 3e-6})`)."""
         consts = dict(self.constants)
         for k, v in values.items():
             if k not in consts:
                 raise HardwareDataError(f"system {self.name}: no constant {k!r} (have {sorted(consts)})")
             consts[k] = dataclasses.replace(consts[k], value=float(v))
-        return dataclasses.replace(self, constants=consts, setup=setup or self.setup)
+        return dataclasses.replace(self, constants=consts)
 
     # the figures other modules read by name
     @property

@@ -390,7 +390,6 @@ SEED = ScheduleOptions("seed", dma="matrix", prefetch="lookahead", expert_slots=
                        recipe="tuned", mxfp4_matmul="fp8")
 CONVENTIONAL = ScheduleOptions("conventional", program="per_op", dma="matrix", message_rows="packed",
                                mxfp4_matmul="fp8")
-NAMED_OPTIONS = {o.name: o for o in (MK, SEED, CONVENTIONAL)}
 
 
 @dataclasses.dataclass(frozen=True)
