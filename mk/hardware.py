@@ -1,7 +1,7 @@
 """Hardware facts for the performance model, loaded from the CSV tables in `data/`.
 
-Three tables, every value with its source (none of them is fitted to the K3 throughput table,
-which is the validation set):
+Four tables, every value with its source (none of them is fitted to the K3 throughput table,
+which is the validation set; the model runs with it locked, `published_locked`):
 
 - `data/hardware.csv` — datasheet facts per chip (TPU v5e, v5p, v6e, v7; H100, H200, B200, GB200),
   long format `chip,quantity,value,unit,scope,source,use`. Several sources may give the same
@@ -9,16 +9,22 @@ which is the validation set):
   (chip, quantity) has `use=1` and is the one the model reads. `scope` says whether the value is for
   the whole chip or one TensorCore.
 - `data/microbench.csv` — measured per-core / per-device microbenchmarks (DMA streaming rate,
-  collective phase latency, link bandwidths, kernel launch gap, ...) `system,quantity,value,...`.
+  collective latencies, link bandwidths, kernel launch gap, ...) and the few assumptions the model
+  needs (their source starts with "assumption"), `system,quantity,value,unit,low,high,source,note`;
+  `low`/`high` is the range the sensitivity sweep covers.
+- `data/systems.csv` — how each published run split the model (layout, expert storage, one program
+  or one kernel per op); one row per system with `use=1`, the others are alternatives to sweep.
 - `data/published.csv` — the published figures we compare against (`role=validation` for the
   K3 throughput table, `reference` for other published timings).
 
-`System` combines a chip with the microbenchmarks into the per-device numbers the roofline and the
-simulator need (one TensorCore of the TPU v7 system, one GPU of the GB200 system). Bad data raises
-`HardwareDataError` naming the file, the line, and the column.
+`System` combines a chip, the microbenchmarks and a layout into the per-device `Constant`s the
+roofline and the simulator read (one TensorCore of the TPU v7 system, one GPU of the GB200 system),
+each with its source and range. Bad data raises `HardwareDataError` naming the file, the line, and
+the column.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import functools
@@ -235,6 +241,17 @@ class Measurement:
     source: str
     note: str
     line: int
+    low: float | None = None         # the range the sensitivity sweep covers (None: not swept)
+    high: float | None = None
+
+    @property
+    def assumption(self) -> bool:
+        return is_assumption(self.source)
+
+
+def is_assumption(source: str) -> bool:
+    """A source with no measurement behind it starts with the word "assumption"."""
+    return source.strip().lower().startswith("assumption")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,17 +260,18 @@ class Microbench:
     rows: Mapping[tuple[str, str], Measurement]
 
     def get(self, system: str, quantity: str) -> float:
+        return self.measurement(system, quantity).value
+
+    def measurement(self, system: str, quantity: str) -> Measurement:
         m = self.rows.get((system, quantity))
         if m is None:
             raise HardwareDataError(f"{self.path}: no row with system {system!r} and quantity {quantity!r}")
-        return m.value
-
-    def measurement(self, system: str, quantity: str) -> Measurement:
-        self.get(system, quantity)
-        return self.rows[(system, quantity)]
+        return m
 
 
 def load_microbench(path: str | os.PathLike | None = None) -> Microbench:
+    """`system,quantity,value,unit,[low,high,]source,note`; low/high (optional columns, blank
+    allowed) give the range the sensitivity sweep covers and must bracket the value."""
     path = Path(path) if path else DATA_DIR / "microbench.csv"
     rows = {}
     for line, r in _read_rows(path, ("system", "quantity", "value", "unit", "source", "note")):
@@ -262,8 +280,14 @@ def load_microbench(path: str | os.PathLike | None = None) -> Microbench:
             raise HardwareDataError(f"{path}: line {line}: column 'quantity': duplicate {key} "
                                     f"(first at line {rows[key].line})")
         v = _number(path, line, "value", r["value"])
+        lo, hi = (_number(path, line, c, r[c]) if r.get(c) else None for c in ("low", "high"))
+        if (lo is None) != (hi is None):
+            raise HardwareDataError(f"{path}: line {line}: columns 'low' and 'high': give both or neither")
+        if lo is not None and not lo <= v <= hi:
+            raise HardwareDataError(f"{path}: line {line}: columns 'low'/'high': [{lo:g}, {hi:g}] does not "
+                                    f"contain the value {v:g}")
         rows[key] = Measurement(key[0], key[1], v, _require(path, line, "unit", r["unit"]),
-                                _require(path, line, "source", r["source"]), r["note"], line)
+                                _require(path, line, "source", r["source"]), r["note"], line, lo, hi)
     return Microbench(str(path), rows)
 
 
@@ -280,7 +304,24 @@ class Published:
     line: int
 
 
+_PUBLISHED_LOCK = [0]
+
+
+@contextlib.contextmanager
+def published_locked():
+    """Inside this block reading data/published.csv raises: the model's prediction path runs in it,
+    so no constant can be fitted to (or read from) the figures it is validated against."""
+    _PUBLISHED_LOCK[0] += 1
+    try:
+        yield
+    finally:
+        _PUBLISHED_LOCK[0] -= 1
+
+
 def load_published(path: str | os.PathLike | None = None) -> list[Published]:
+    if _PUBLISHED_LOCK[0]:
+        raise HardwareDataError("data/published.csv read on the prediction path (inside hardware.published_locked): "
+                                "the model must not see the figures it is validated against")
     path = Path(path) if path else DATA_DIR / "published.csv"
     out = []
     for line, r in _read_rows(path, ("system", "setting", "batch", "metric", "value", "unit", "source", "role")):
@@ -306,54 +347,175 @@ def published_value(system: str, setting: str, batch: int, metric: str = "tokens
 
 
 # ------------------------------------------------------------------------------------------------
-# Systems: a chip + microbenchmarks -> per-device model parameters
+# Systems: a chip + microbenchmarks + how the published run split the model
 # ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """One number the simulator reads for one device of a system: its value, unit, source and the
+    range `mk simulate --sensitivity` sweeps (low == high: not swept, e.g. a datasheet figure)."""
+    name: str
+    value: float
+    unit: str
+    source: str
+    low: float
+    high: float
+
+    @property
+    def assumption(self) -> bool:
+        return is_assumption(self.source)
+
+    @property
+    def swept(self) -> bool:
+        return self.low != self.high
+
+    def summary(self) -> dict:
+        return {"value": self.value, "unit": self.unit, "low": self.low, "high": self.high,
+                "source": self.source, "assumption": self.assumption}
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemLayout:
+    """One row of `data/systems.csv`: how a published run split K3 and stored its experts."""
+    system: str
+    chip: str
+    layout: object                   # mk.plan.Layout
+    program: str                     # 'megakernel' | 'per_op'
+    expert_gate_up: str
+    expert_down: str
+    published_system: str
+    use: bool
+    source: str
+    line: int
+
+    @property
+    def assumption(self) -> bool:
+        return is_assumption(self.source)
+
+    def label(self) -> str:
+        lay = self.layout
+        return (f"TP{lay.tp_attn} attention, EP{lay.ep} x TP{lay.tp_expert} experts "
+                f"({self.expert_gate_up}/{self.expert_down})")
+
+
+def load_systems(path: str | os.PathLike | None = None) -> list[SystemLayout]:
+    from mk.plan import Layout, PlanError
+
+    path = Path(path) if path else DATA_DIR / "systems.csv"
+    cols = ("system", "chip", "chips", "cores_per_chip", "tp_attn", "ep", "tp_expert", "style", "program",
+            "expert_gate_up", "expert_down", "published_system", "use", "source")
+    out = []
+    for line, r in _read_rows(path, cols):
+        ints = {}
+        for c in ("chips", "cores_per_chip", "tp_attn", "ep", "tp_expert"):
+            v = _number(path, line, c, r[c])
+            if v != int(v) or v < 1:
+                raise HardwareDataError(f"{path}: line {line}: column '{c}': {r[c]!r} must be a positive integer")
+            ints[c] = int(v)
+        if r["program"] not in ("megakernel", "per_op"):
+            raise HardwareDataError(f"{path}: line {line}: column 'program': expected 'megakernel' or 'per_op', "
+                                    f"found {r['program']!r}")
+        if r["use"] not in ("0", "1"):
+            raise HardwareDataError(f"{path}: line {line}: column 'use': expected 0 or 1, found {r['use']!r}")
+        try:
+            lay = Layout(**ints, style=r["style"], name=_require(path, line, "source", r["source"]))
+        except PlanError as e:
+            raise HardwareDataError(f"{path}: line {line}: {e}") from None
+        out.append(SystemLayout(_require(path, line, "system", r["system"]), _require(path, line, "chip", r["chip"]),
+                                lay, r["program"], _require(path, line, "expert_gate_up", r["expert_gate_up"]),
+                                _require(path, line, "expert_down", r["expert_down"]),
+                                _require(path, line, "published_system", r["published_system"]), r["use"] == "1",
+                                r["source"], line))
+    for name in {s.system for s in out}:
+        used = [s for s in out if s.system == name and s.use]
+        if len(used) != 1:
+            raise HardwareDataError(f"{path}: system {name!r} needs exactly one row with use=1 (column 'use'), "
+                                    f"found {len(used)}")
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class System:
     """One device's view of a multi-chip system (a TensorCore, or a GPU), for roofline and sim.
 
-    Bandwidths in bytes/s, rates in FLOP/s, times in s. `dma_bw` is the measured streaming rate
-    the DMA engine sustains (shared by all outstanding descriptors); `hbm_bw` the datasheet peak
-    the roofline uses. `link_bw[link]` is the payload bandwidth of a collective's bytes on `link`.
-    """
+    `constants` holds every number the simulator reads, each with its source and sweep range
+    (see `Constant`); `layout` and the expert formats say how the published run split the model
+    (`data/systems.csv`), `alternatives` the other layouts the sensitivity sweep tries."""
     name: str
     chip: Chip
     chips: int
     devices_per_chip: int
-    dma_bw: float
-    dma_latency: float
-    hbm_bw: float
-    hbm_bytes: float
-    flops: Mapping[str, float]
-    mxu_dim: int
-    min_rows: int
-    vector_flops: float
-    vector_bw: float
-    collective_latency: float
-    link_bw: Mapping[str, float]
-    link_latency: Mapping[str, float]  # per-link phase latency overriding collective_latency
-    launch_gap: float
-    step_overhead: float
-    onchip_bytes: float
-    schedule: str                    # the schedule the published figure ran: 'megakernel' | 'conventional'
-    published_system: str            # the `system` key in published.csv
-    sources: Mapping[str, str]
+    setup: SystemLayout
+    alternatives: tuple[SystemLayout, ...]
+    constants: Mapping[str, Constant]
+
+    @property
+    def layout(self):
+        return self.setup.layout
+
+    @property
+    def program(self) -> str:
+        return self.setup.program
+
+    @property
+    def schedule(self) -> str:
+        """The schedule the published figure ran: 'megakernel' (TPU) or 'conventional' (GPU)."""
+        return "megakernel" if self.setup.program == "megakernel" else "conventional"
+
+    @property
+    def published_system(self) -> str:
+        return self.setup.published_system
 
     @property
     def devices(self) -> int:
         return self.chips * self.devices_per_chip
 
+    def value(self, name: str) -> float:
+        try:
+            return self.constants[name].value
+        except KeyError:
+            raise HardwareDataError(f"system {self.name}: no constant {name!r} (have {sorted(self.constants)})") from None
+
+    def replace(self, **values: float) -> "System":
+        """This system with some constants set to other values (names with '.' as in `constants`:
+        pass them as a dict, `replace(**{"ici.latency": 3e-6})`)."""
+        consts = dict(self.constants)
+        for k, v in values.items():
+            if k not in consts:
+                raise HardwareDataError(f"system {self.name}: no constant {k!r} (have {sorted(consts)})")
+            consts[k] = dataclasses.replace(consts[k], value=float(v))
+        return dataclasses.replace(self, constants=consts)
+
+    # the figures other modules read by name
+    @property
+    def hbm_bw(self) -> float:
+        return self.value("hbm_bw")
+
+    @property
+    def dma_bw(self) -> float:
+        return self.value("dma_bw")
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.chip.per_core("hbm_bytes")
+
     def peak_flops(self, dtype: str = "bf16") -> float:
-        return self.flops.get(dtype) or self.flops["bf16"]
+        key = f"flops.{dtype}"
+        return self.constants[key].value if key in self.constants else self.value("flops.bf16")
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return {k: c.source for k, c in self.constants.items()}
+
+    def assumptions(self) -> list[str]:
+        """Names of the constants (and the layout) that rest on an assumption, not a measurement."""
+        out = [k for k, c in self.constants.items() if c.assumption]
+        return (["layout"] if self.setup.assumption else []) + out
 
     def summary(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("chip",)}
-        d["chip"] = self.chip.name
-        d["flops"] = dict(self.flops)
-        d["link_bw"] = dict(self.link_bw)
-        d["link_latency"] = dict(self.link_latency)
-        d["sources"] = dict(self.sources)
-        return d
+        return {"name": self.name, "chip": self.chip.name, "chips": self.chips, "devices": self.devices,
+                "program": self.program, "layout": self.setup.label(), "layout_source": self.setup.source,
+                "layout_assumption": self.setup.assumption,
+                "constants": {k: c.summary() for k, c in self.constants.items()}}
 
 
 SYSTEMS = ("tpu-v7x16", "gb200x16")
@@ -363,73 +525,112 @@ def sibling_link_fit(mb: Microbench) -> tuple[float, float]:
     """(t0, bw) of the line t = t0 + bytes / bw through the two measured sibling-core copies
     (256 KiB at 101 GB/s, 16 MiB at 610 GB/s): a fixed cost ~2.2 us and ~663 GB/s."""
     b1, b2 = 256 * 1024, 16 * 1024 * 1024
-    t1 = b1 / mb.get("tpu-v7", "sibling_copy_bw_256k")
-    t2 = b2 / mb.get("tpu-v7", "sibling_copy_bw_16m")
-    slope = (t2 - t1) / (b2 - b1)
-    return t1 - b1 * slope, 1.0 / slope
+    return _line(b1, b1 / mb.get("tpu-v7", "sibling_copy_bw_256k"), b2, b2 / mb.get("tpu-v7", "sibling_copy_bw_16m"))
+
+
+def _line(x1, t1, x2, t2) -> tuple[float, float]:
+    slope = (t2 - t1) / (x2 - x1)
+    return t1 - x1 * slope, 1.0 / slope
+
+
+def allreduce_phase_fit(mb: Microbench, shape: str = "8x8192") -> tuple[float, float]:
+    """(t0, bw) of one exchange phase, t = t0 + bytes / bw, from a measured bf16 / f32 all-reduce
+    pair on 8 cores (spec 6.3 / App. B.4): an all-reduce is 2 phases (reduce-scatter, all-gather)
+    in which each rank sends 7/8 of its payload. [8, 8192]: t0 = 2.6 us, 109 GB/s; [64, 4096]:
+    1.8 us, 84 GB/s."""
+    rows, cols = (int(x) for x in shape.split("x"))
+    per_phase = lambda itemsize: 7 / 8 * rows * cols * itemsize
+    return _line(per_phase(2), mb.get("tpu-v7", f"allreduce_{shape}_bf16") / 2,
+                 per_phase(4), mb.get("tpu-v7", f"allreduce_{shape}_f32") / 2)
+
+
+def sibling_phase_latency(mb: Microbench) -> float:
+    """Fixed part of one sibling-core exchange phase, from the chip-hierarchical [8, 8192] bf16
+    all-reduce on 8 cores (spec App. B.4: 9.3 us): a sibling reduce-scatter (half the payload P to
+    r XOR 1), reduce-scatter and all-gather across the 4 chips (3/8 P each, at the flat fit's
+    latency and bandwidth, `allreduce_phase_fit`), a sibling all-gather (P / 2). About 1.5 us."""
+    t0, bw = allreduce_phase_fit(mb, "8x8192")
+    _, sbw = sibling_link_fit(mb)
+    P = 8 * 8192 * 2
+    ici = 2 * (t0 + 3 / 8 * P / bw)
+    return (mb.get("tpu-v7", "allreduce_8x8192_hier") - ici - 2 * (P / 2) / sbw) / 2
+
+
+def _measured(mb: Microbench, system: str, quantity: str, name: str, scale: float = 1.0) -> Constant:
+    m = mb.measurement(system, quantity)
+    lo, hi = (m.low, m.high) if m.low is not None else (m.value, m.value)
+    return Constant(name, m.value * scale, m.unit, m.source, lo * scale, hi * scale)
+
+
+def _datasheet(chip: Chip, quantity: str, name: str, value: float, unit: str, note: str = "") -> Constant:
+    src = chip.source(quantity) + (f" {note}" if note else "")
+    return Constant(name, value, unit, src, value, value)
 
 
 @functools.lru_cache(maxsize=None)
-def _tables(hw_path, mb_path):
-    return load_chips(hw_path), load_microbench(mb_path)
+def _tables(hw_path, mb_path, sys_path):
+    return load_chips(hw_path), load_microbench(mb_path), load_systems(sys_path)
 
 
-def get_system(name: str, hardware_csv=None, microbench_csv=None) -> System:
+def get_system(name: str, hardware_csv=None, microbench_csv=None, systems_csv=None) -> System:
     """The seed's two 16-chip systems: 'tpu-v7x16' (32 TensorCores) and 'gb200x16' (16 GPUs)."""
-    chips, mb = _tables(str(hardware_csv) if hardware_csv else None, str(microbench_csv) if microbench_csv else None)
-    if name == "tpu-v7x16":
-        c = chips["tpu-v7"]
+    chips, mb, setups = _tables(*(str(p) if p else None for p in (hardware_csv, microbench_csv, systems_csv)))
+    rows = [s for s in setups if s.system == name]
+    if name not in SYSTEMS or not rows:
+        raise HardwareDataError(f"unknown system {name!r}: expected one of {list(SYSTEMS)}")
+    setup = next(s for s in rows if s.use)
+    c = chips[setup.chip]
+    K = {}
+
+    def put(x: Constant):
+        K[x.name] = x
+
+    if c.kind == "tpu":
         cores = c.cores_per_chip
-        sib_t0, sib_bw = sibling_link_fit(mb)
-        srcs = {
-            "dma_bw": mb.measurement("tpu-v7", "dma_stream_bw").source,
-            "dma_latency": mb.measurement("tpu-v7", "dma_descriptor_latency").source,
-            "hbm_bw": c.source("hbm_bw") + " / cores_per_chip",
-            "collective_latency": mb.measurement("tpu-v7", "collective_phase_latency").source,
-            "link_bw.ici": mb.measurement("tpu-v7", "cross_chip_3link_bw").source,
-            "link_bw.sibling": "line through the two sibling-copy points of spec 6.3 (101 GB/s at 256 KiB, "
-                               "610 GB/s at 16 MiB): t = t0 + bytes / bw",
-            "link_latency.sibling": "intercept t0 of that line",
-            "step_overhead": mb.measurement("tpu-v7", "step_fixed_overhead").source,
-            "vector": mb.measurement("tpu-v7", "vector_flops").source,
-            "launch_gap": mb.measurement("tpu-v7", "launch_gap").source,
-        }
-        return System(
-            name=name, chip=c, chips=16, devices_per_chip=cores,
-            dma_bw=mb.get("tpu-v7", "dma_stream_bw"), dma_latency=mb.get("tpu-v7", "dma_descriptor_latency"),
-            hbm_bw=c.per_core("hbm_bw"), hbm_bytes=c.per_core("hbm_bytes"),
-            flops={"bf16": c.flops("bf16") / cores, "fp8": c.flops("fp8") / cores},
-            mxu_dim=c.mxu_dim, min_rows=16,
-            vector_flops=mb.get("tpu-v7", "vector_flops"), vector_bw=mb.get("tpu-v7", "vector_bw"),
-            collective_latency=mb.get("tpu-v7", "collective_phase_latency"),
-            link_bw={"ici": mb.get("tpu-v7", "cross_chip_3link_bw"), "sibling": sib_bw},
-            link_latency={"sibling": sib_t0},
-            launch_gap=mb.get("tpu-v7", "launch_gap"), step_overhead=mb.get("tpu-v7", "step_fixed_overhead"),
-            onchip_bytes=c.per_core("onchip_bytes"), schedule="megakernel", published_system="tpu-v7x16",
-            sources=srcs)
-    if name == "gb200x16":
-        c = chips["gb200"]
-        frac = mb.get("gpu", "hbm_stream_fraction")
-        link = c.link_bw * mb.get("gpu", "nvlink_app_fraction")
-        srcs = {
-            "dma_bw": f"{c.source('hbm_bw')} x {mb.measurement('gpu', 'hbm_stream_fraction').source}",
-            "dma_latency": mb.measurement("gpu", "dram_latency").source,
-            "hbm_bw": c.source("hbm_bw"),
-            "collective_latency": mb.measurement("gb200", "allreduce_latency").source,
-            "link_bw.nvlink": f"{c.source('link_bw')} x {mb.measurement('gpu', 'nvlink_app_fraction').source}",
-            "launch_gap": mb.measurement("gpu", "launch_gap").source,
-            "vector": c.source("fp32_flops") + "; vector kernels stream from HBM at dma_bw",
-        }
-        return System(
-            name=name, chip=c, chips=16, devices_per_chip=1,
-            dma_bw=c.hbm_bw * frac, dma_latency=mb.get("gpu", "dram_latency"),
-            hbm_bw=c.hbm_bw, hbm_bytes=c.hbm_bytes,
-            flops={"bf16": c.flops("bf16"), "fp8": c.flops("fp8"), "fp4": c.flops("fp4")},
-            mxu_dim=c.mxu_dim, min_rows=16,
-            vector_flops=c.get("fp32_flops"), vector_bw=c.hbm_bw * frac,
-            collective_latency=mb.get("gb200", "allreduce_latency"),
-            link_bw={"nvlink": link, "ici": link, "sibling": link}, link_latency={},
-            launch_gap=mb.get("gpu", "launch_gap"), step_overhead=0.0,
-            onchip_bytes=c.get("onchip_bytes") * (c.get("sms") or 1), schedule="conventional",
-            published_system="gb200x16", sources=srcs)
-    raise HardwareDataError(f"unknown system {name!r}: expected one of {list(SYSTEMS)}")
+        put(_datasheet(c, "hbm_bw", "hbm_bw", c.per_core("hbm_bw"), "bytes/s", "/ cores_per_chip"))
+        put(_measured(mb, "tpu-v7", "dma_stream_bw", "dma_bw"))
+        put(_measured(mb, "tpu-v7", "dma_descriptor_latency", "dma_latency"))
+        for dt in ("bf16", "fp8"):
+            put(_datasheet(c, f"{dt}_flops", f"flops.{dt}", c.flops(dt) / cores, "flop/s", "/ cores_per_chip"))
+        put(_measured(mb, "tpu-v7", "mxu_min_rows", "mxu_min_rows"))
+        put(_measured(mb, "tpu-v7", "mxu_push_rows", "mxu_push_rows"))
+        put(_measured(mb, "tpu-v7", "vector_flops", "vector_flops"))
+        put(_measured(mb, "tpu-v7", "vector_bw", "vector_bw"))
+        t0, bw = allreduce_phase_fit(mb, "8x8192")
+        t0_lo, bw_lo = allreduce_phase_fit(mb, "64x4096")
+        fit = "fit of spec 6.3 / App. B.4's [8, 8192] bf16 and f32 all-reduces on 8 cores (2 phases each)"
+        put(Constant("ici.latency", t0, "s", f"{fit}: fixed part of one phase; range: the [64, 4096] pair's fit .. "
+                     f"{mb.measurement('tpu-v7', 'collective_phase_latency_min').source}",
+                     t0_lo, mb.get("tpu-v7", "collective_phase_latency_min")))
+        put(Constant("ici.bw", bw, "bytes/s", f"{fit}: payload bandwidth per core; range: the [64, 4096] pair's fit .. "
+                     f"{mb.measurement('tpu-v7', 'cross_chip_3link_bw').source}",
+                     bw_lo, mb.get("tpu-v7", "cross_chip_3link_bw")))
+        s0, sbw = sibling_link_fit(mb)
+        sib = "line through spec 6.3 / App. B.4's sibling-core copies (101 GB/s at 256 KiB, 610 GB/s at 16 MiB)"
+        put(Constant("sibling.latency", sibling_phase_latency(mb), "s",
+                     f"spec App. B.4's chip-hierarchical [8, 8192] all-reduce (9.3 us) less its two cross-chip phases "
+                     f"(the flat fit): two sibling phases; range: .. the intercept of the {sib}",
+                     sibling_phase_latency(mb), s0))
+        put(Constant("sibling.bw", sbw, "bytes/s", f"{sib}: slope", sbw, sbw))
+        put(_measured(mb, "tpu-v7", "step_fixed_overhead", "step_overhead"))
+        put(_measured(mb, "tpu-v7", "routing_per_layer", "routing"))
+        return System(name, c, 16, cores, setup, tuple(s for s in rows if not s.use), K)
+    frac = mb.measurement("gpu", "hbm_stream_fraction")
+    link = mb.measurement("gpu", "nvlink_app_fraction")
+    put(_datasheet(c, "hbm_bw", "hbm_bw", c.hbm_bw, "bytes/s"))
+    put(Constant("dma_bw", c.hbm_bw * frac.value, "bytes/s", f"{c.source('hbm_bw')} x {frac.source}",
+                 c.hbm_bw * frac.low, c.hbm_bw * frac.high))
+    put(_measured(mb, "gpu", "dram_latency", "dma_latency"))
+    for dt in ("bf16", "fp8", "fp4"):
+        put(_datasheet(c, f"{dt}_flops", f"flops.{dt}", c.flops(dt), "flop/s"))
+    for q in ("mxu_min_rows", "mxu_push_rows"):
+        put(_datasheet(c, "mxu_dim", q, c.mxu_dim, "count"))
+    put(_datasheet(c, "fp32_flops", "vector_flops", c.get("fp32_flops"), "flop/s"))
+    put(Constant("vector_bw", c.hbm_bw * frac.value, "bytes/s", f"vector kernels stream from HBM: {frac.source}",
+                 c.hbm_bw * frac.low, c.hbm_bw * frac.high))
+    put(_measured(mb, "gb200", "allreduce_latency", "nvlink.latency"))
+    put(Constant("nvlink.bw", c.link_bw * link.value, "bytes/s", f"{c.source('link_bw')} x {link.source}",
+                 c.link_bw * link.low, c.link_bw * link.high))
+    put(_measured(mb, "gpu", "launch_gap", "launch_gap"))
+    put(_measured(mb, "gpu", "step_overhead", "step_overhead"))
+    return System(name, c, 16, 1, setup, tuple(s for s in rows if not s.use), K)

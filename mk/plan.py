@@ -51,6 +51,10 @@ BF16_BYTES = 2
 # experts, spec 2.3): E2M1 codes, 8 per int32 word, and E8M0 scale bytes, 4 per int32 word, one per
 # 32 rows (K) of a column: 4.25 bits per weight (see `MXFP4_TILE` and `pack_mxfp4_tiles`).
 FORMATS = ("bf16", "mxfp4")
+# Formats a streamed matrix may have in a *modelled* plan (mk.sim): the kernel's, plus the seed's FP8
+# re-blocked expert gate/up (spec 2.3 / 3.5): e4m3 bytes and one bf16 scale per FP8_BLOCK rows.
+STREAM_FORMATS = FORMATS + ("fp8",)
+FP8_BLOCK = 256
 MX_GROUP = 32            # MXFP4: one E8M0 scale per 32 consecutive contraction rows
 CODES_PER_WORD = 8       # E2M1 codes per int32 word
 SCALES_PER_WORD = 4      # E8M0 bytes per int32 word
@@ -153,8 +157,8 @@ class Matrix:
     format: str = "bf16"
 
     def __post_init__(self):
-        if self.format not in FORMATS:
-            raise PlanError(f"matrix {self.name}: unknown format {self.format!r}, expected one of {FORMATS}")
+        if self.format not in STREAM_FORMATS:
+            raise PlanError(f"matrix {self.name}: unknown format {self.format!r}, expected one of {STREAM_FORMATS}")
 
     @property
     def code_rows(self) -> int:
@@ -168,9 +172,12 @@ class Matrix:
 
     @property
     def tile_bytes(self) -> int:
-        """HBM bytes of one tile as stored (and DMA'd): bf16 2 per weight, mxfp4 17/32."""
+        """HBM bytes of one tile as stored (and DMA'd): bf16 2 per weight, mxfp4 17/32 (a code
+        nibble per weight and a scale byte per 32 rows), fp8 1 + a bf16 scale per FP8_BLOCK rows."""
         if self.format == "mxfp4":
-            return (self.code_rows + self.scale_rows) * self.tile_n * 4
+            return self.tile_k * self.tile_n // 2 + self.tile_k // MX_GROUP * self.tile_n
+        if self.format == "fp8":
+            return self.tile_k * self.tile_n + -(-self.tile_k // FP8_BLOCK) * self.tile_n * BF16_BYTES
         return self.tile_k * self.tile_n * BF16_BYTES
 
     @property
@@ -236,18 +243,34 @@ class LayerStream:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How one step is split over devices; the plan describes ONE device's share.
+    """How one step is split over devices; a plan (and the roofline) describes ONE device's share.
 
-    tp_attn: attention heads, dense/shared FFN width, latent_down and vocab split this many ways;
-    ep x tp_expert: routed experts split over `ep` groups, each expert's FFN width over
-    `tp_expert`. The seed's system (spec 3.2): 16 chips x 2 cores, tp_attn 32, ep 8, tp_expert 4.
-    The kernel itself runs the single-device layout.
+    tp_attn: attention heads, dense/shared FFN width, latent projections and vocab split this many
+    ways; ep x tp_expert: routed experts split over `ep` groups, each expert's FFN width over
+    `tp_expert`. The kernel's rule (`mk.sharding.default_layout`) has tp_attn = ep x tp_expert =
+    devices; the seed's TPU v7 system is 16 chips x 2 cores, tp_attn 32, ep 8, tp_expert 4.
+    style: the per-rank shapes of a TPU megakernel ('tpu': 128-lane padding, spec 3.2) or of a GPU
+    serving stack ('gpu': plain TP/EP, used by the modelled conventional schedule, `mk.conventional`).
+    `name` describes the layout (and its source); it takes no part in comparisons.
     """
     chips: int = 1
     cores_per_chip: int = 1
     tp_attn: int = 1
     ep: int = 1
     tp_expert: int = 1
+    style: str = "tpu"
+    name: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self):
+        for f in ("chips", "cores_per_chip", "tp_attn", "ep", "tp_expert"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"layout.{f} must be a positive integer, found {v!r}")
+        if self.style not in ("tpu", "gpu"):
+            raise PlanError(f"layout.style must be 'tpu' or 'gpu', found {self.style!r}")
+        if self.tp_attn > self.devices or self.ep * self.tp_expert > self.devices:
+            raise PlanError(f"layout tp_attn={self.tp_attn}, ep={self.ep} x tp_expert={self.tp_expert}: "
+                            f"a split cannot exceed the {self.devices} devices")
 
     @property
     def devices(self) -> int:
@@ -257,8 +280,117 @@ class Layout:
     def single(self) -> bool:
         return self.devices == 1
 
+    @property
+    def lanes_per_host(self) -> int:
+        """Devices sharing one host's fast links (TPU v7: 4 chips x 2 cores; spec 3.2)."""
+        return min(8, self.devices)
 
-SEED_TPU7X16 = Layout(chips=16, cores_per_chip=2, tp_attn=32, ep=8, tp_expert=4)
+    def check(self, cfg: K3Config):
+        """Raise PlanError naming the config width a split does not divide."""
+        for f, width, what in (("tp_attn", cfg.heads, "heads"), ("ep", cfg.experts, "experts"),
+                               ("tp_expert", cfg.expert_hidden, "expert_hidden")):
+            if width % getattr(self, f):
+                raise PlanError(f"layout {f}={getattr(self, f)} does not divide {what}={width}")
+
+    def fit(self, cfg: K3Config) -> "Layout":
+        """This layout with each split shrunk to the largest divisor of what it splits (gcd): a
+        smaller model (e.g. `mini`, 2 heads) on the seed's 32-device system replicates what it
+        cannot split. Returns the layout itself when it already fits `cfg`."""
+        import math
+        fitted = dataclasses.replace(self, tp_attn=math.gcd(self.tp_attn, cfg.heads), ep=math.gcd(self.ep, cfg.experts),
+                                     tp_expert=math.gcd(self.tp_expert, cfg.expert_hidden))
+        if fitted == self:
+            return self
+        return dataclasses.replace(fitted, name=f"{self.name} (fitted to the model: TP{fitted.tp_attn} attention, "
+                                                f"EP{fitted.ep} x TP{fitted.tp_expert} experts)")
+
+
+SEED_TPU7X16 = Layout(chips=16, cores_per_chip=2, tp_attn=32, ep=8, tp_expert=4,
+                      name="16 TPU v7 chips x 2 TensorCores: TP32 attention, EP8 x TP4 experts (spec 3.2)")
+
+
+# --------------------------------------------------------------------------------------------
+# Where a plan sits in the space of schedules
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ScheduleOptions:
+    """The choices that turn the same matrices into a schedule (`Plan.schedule`). `MK` is what mk's
+    kernel runs; `SEED` the seed's K3 kernel (spec 3.4-3.8), replayed by the simulator as another
+    point of the same space; `CONVENTIONAL` one kernel per op (a GPU serving stack, `mk.conventional`).
+
+    program        'megakernel': one program per step; 'per_op': one kernel launch per op
+    dma            'tile': every matrix in [tile_k, tile_n] tiles through one ring (mk); 'matrix': one
+                   DMA per matrix into its own VMEM buffer or pool slot (the seed's pool, spec 3.3)
+    prefetch       'ring': `prefetch_depth` DMAs in flight ahead of their consumer, across layers (mk);
+                   'lookahead': the seed's one-layer lookahead (spec 3.4): layer l+1's attention
+                   projections and router issued once layer l's routed experts are done, the MoE's
+                   matrices at MoE entry, latent_up when the reductions begin
+    expert_slots   0: routed-expert tiles join the stream, each storage format in its own slot pool
+                   (mk); n: n whole-expert slots refilled in route order (the seed: 4, spec App. B.2)
+    expert_gate_up, expert_down   storage of the routed experts' matrices (None: the plan's
+                   `experts`); the seed: 'fp8' gate/up re-blocked from MXFP4 (spec 2.3), 'mxfp4' down
+    expert_issue   'routing': expert DMAs start once routing is done (mk); 'selection': at B = 1 each
+                   is issued as the top-k loop selects it (the seed's shared-route path, spec 3.4)
+    collectives    'merged': mk's six collectives, one exchange round each (4 per MoE layer, the
+                   router replicated, the latent up-projection split by rows); 'seed': spec 3.8's
+                   pattern (router halves swapped between sibling cores, paired attention output,
+                   two-level reductions, latent up-projection by 1024-lane blocks + output all-gather)
+    message_rows   'tile': a message is the 8-row sublane tile even at B = 1 (mk today); 'packed':
+                   B rows, bf16 pairs packed lane-dense (the seed, spec 3.8)
+    recipe         'tuned': spec 3.7's batch-specific options (persistent KDA state at B <= 4, token
+                   scatter at B = 8, routed reduce-scatter at B in {6, 8}); 'base': none
+    mxfp4_matmul   how an MXFP4 matrix meets the MXU: 'bf16': its codes and scales rebuilt into a bf16
+                   tile by integer vector ops in VMEM (mk's kernel, `mk.kernel.ring.e2m1_to_bf16`);
+                   'fp8': bitcast to fp4, converted to fp8, block-diagonal LHS (the seed, spec 3.5)
+    """
+    name: str = "custom"
+    program: str = "megakernel"
+    dma: str = "tile"
+    prefetch: str = "ring"
+    expert_slots: int = 0
+    expert_gate_up: str | None = None
+    expert_down: str | None = None
+    expert_issue: str = "routing"
+    collectives: str = "merged"
+    message_rows: str = "tile"
+    recipe: str = "base"
+    mxfp4_matmul: str = "bf16"
+
+    CHOICES = {"program": ("megakernel", "per_op"), "dma": ("tile", "matrix"), "prefetch": ("ring", "lookahead"),
+               "expert_issue": ("routing", "selection"), "collectives": ("merged", "seed"),
+               "message_rows": ("tile", "packed"), "recipe": ("base", "tuned"), "mxfp4_matmul": ("bf16", "fp8")}
+
+    def __post_init__(self):
+        for f, allowed in self.CHOICES.items():
+            if getattr(self, f) not in allowed:
+                raise PlanError(f"ScheduleOptions.{f} must be one of {allowed}, found {getattr(self, f)!r}")
+        for f in ("expert_gate_up", "expert_down"):
+            if getattr(self, f) not in (None,) + STREAM_FORMATS:
+                raise PlanError(f"ScheduleOptions.{f} must be None or one of {STREAM_FORMATS}, found {getattr(self, f)!r}")
+        if not isinstance(self.expert_slots, int) or self.expert_slots < 0:
+            raise PlanError(f"ScheduleOptions.expert_slots must be an integer >= 0, found {self.expert_slots!r}")
+        if self.prefetch == "lookahead" and self.dma != "matrix":
+            raise PlanError("ScheduleOptions: the one-layer lookahead moves whole matrices (dma='matrix')")
+        if self.expert_slots and self.dma != "matrix":
+            raise PlanError("ScheduleOptions: whole-expert slots move whole matrices (dma='matrix')")
+
+    @property
+    def kernel(self) -> bool:
+        """Whether mk's kernel can execute a plan with these options (only MK's choices)."""
+        return dataclasses.replace(self, name=MK.name) == MK
+
+    def differences(self, other: "ScheduleOptions") -> dict[str, tuple]:
+        """{field: (self's, other's)} where the two differ (the name aside)."""
+        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
+                if f.name != "name" and getattr(self, f.name) != getattr(other, f.name)}
+
+
+MK = ScheduleOptions("mk")
+SEED = ScheduleOptions("seed", dma="matrix", prefetch="lookahead", expert_slots=4, expert_gate_up="fp8",
+                       expert_down="mxfp4", expert_issue="selection", collectives="seed", message_rows="packed",
+                       recipe="tuned", mxfp4_matmul="fp8")
+CONVENTIONAL = ScheduleOptions("conventional", program="per_op", dma="matrix", message_rows="packed",
+                               mxfp4_matmul="fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,60 +402,63 @@ class WeightDMA:
     tile: int
     bytes: int
     slot: int
-    phase: int          # index of the consuming Phase
-    issue_after: int = -1   # a phase that must end before this DMA may be issued (mk.sim)
+    phase: int              # index of the consuming Phase
+    issue_after: int = -1   # a phase that must end before this DMA may be issued (the seed's lookahead
+                            # anchors; routed experts wait for their routing phase)
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One in-kernel collective: every rank sends its `[rows, width]` bf16 message to every peer.
+    """One in-kernel collective: every rank sends its `[rows, width]` message to `peers` peers
+    (default: all N - 1) over `link` ('ici', 'sibling' = the other core of the same chip, 'nvlink').
 
-    'all_reduce': the N messages (fp32 partials rounded to bf16: the wire) are summed in fp32 in
+    'all_reduce': the messages (fp32 partials rounded to bf16: the wire) are summed in fp32 in
     rank order on every rank, so all ranks hold the same bits. 'all_gather': they are laid side by
-    side in rank order. One phase each: a single round of N - 1 remote copies per rank.
+    side in rank order. 'exchange': a part of the seed's hierarchical patterns (spec 3.8). One
+    phase each: a single round of remote copies per rank.
     """
-    name: str            # embed | attn_out | dense_out | moe_latent | moe_routed | moe_out
-    kind: str            # 'all_reduce' | 'all_gather'
+    name: str            # embed | attn_out | dense_out | moe_latent | moe_routed | moe_out (mk)
+    kind: str            # 'all_reduce' | 'all_gather' | 'exchange'
     width: int           # lanes of one rank's message
     rows: int
     devices: int
+    peers: int | None = None
+    link: str = "ici"
+    itemsize: int = BF16_BYTES
 
     @property
     def message_bytes(self) -> int:
-        return self.rows * self.width * BF16_BYTES
+        return self.rows * self.width * self.itemsize
 
     @property
     def remote_bytes(self) -> int:
         """Bytes one rank sends (and receives) for this collective."""
-        return (self.devices - 1) * self.message_bytes
+        return (self.devices - 1 if self.peers is None else self.peers) * self.message_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One compute phase of the step (a matmul, a vector sublayer, a collective)."""
+    """One compute phase of the step (a matmul, a vector sublayer, a collective, or in a per-op
+    schedule one kernel launch). The simulator (`mk.sim`) replays these; the kernel runs them."""
     index: int
     layer: int
     name: str
     kind: str                        # 'mxu' | 'vector' | 'collective'
-    flops: int = 0
-    rows: int = 0
+    flops: int = 0                   # mxu: matmul flops of `rows` LHS rows; vector: elementwise ops
+    rows: int = 0                    # matmul LHS rows
     vector_bytes: int = 0            # VMEM traffic of vector work (elementwise passes)
-    hbm_bytes: int = 0               # non-weight HBM traffic (caches, states)
-    collective_bytes: int = 0
-    collective_phases: int = 0
+    hbm_bytes: int = 0               # non-weight HBM traffic the phase reads itself (caches, states)
+    writeback_bytes: int = 0         # ... and writes back asynchronously when it ends
+    collective_bytes: int = 0        # bytes this device sends in a collective phase
+    link: str = "ici"                # a collective's link
+    overlap: int = 0                 # a collective: the next `overlap` phases run while it is in flight
+                                     # (the one after them waits for it); 0: the core waits at once
     dmas: tuple[int, ...] = ()
-    expert_dmas: int = 0             # routed-expert bytes fetched for this phase (expected value)
-    # Optional hints read by mk.sim (see its docstring); the kernel's plans leave the defaults.
-    writeback_bytes: int = 0
-    dtype: str = "bf16"
-    link: str = "ici"
-    pipelined: bool = False
-    expert_count: float = 0.0
-    expert_slots: tuple[int, ...] = ()
-    expert_issue_after: int = -1
-    kernel: str | None = None
-    sublayer: str | None = None
-    fixed_s: float = 0.0
+    dtype: str = "bf16"              # MXU rate: 'bf16' | 'fp8' | 'fp4'
+    vector_ops: int = 0              # extra elementwise ops of an mxu phase (in-VMEM dequantization)
+    fixed_cost: str = ""             # a machine constant added to the phase time ('routing': spec App. B.6)
+    pipelined: bool = False          # a GPU kernel: compute overlaps its own weight stream
+    kernel: str | None = None        # per-op schedules: the kernel launch this phase is
 
 
 # Rows of the per-layer vector table. KDA / MLA / MoE rows are unused (zero) in other layers.
@@ -349,6 +484,7 @@ class Plan:
     streams: tuple[LayerStream, ...]      # layers 0..L-1, then the LM head
     expert_gu: Matrix                     # one expert's fused [w1 | w3]  (latent -> 2 Fe)
     expert_down: Matrix                   # one expert's w2               (Fe -> latent)
+    options: ScheduleOptions = MK         # the schedule's choices (the kernel runs MK's)
     # ---- the row model: `batch` rows = `sequences` x `seq_rows` (see `row_seq`) ---------------
     seq_rows: int = 1                     # rows per sequence: 1 + k (anchor + k drafts); 1 = decode
     aux_layers: tuple[int, ...] = ()      # layers whose entry prefix p the step copies out (spec 4.1)
@@ -648,91 +784,30 @@ class Plan:
                 return name
         return "custom config"
 
-    # ---- the DMA list and the phases (read by the simulator) ---------------------------------
-    def schedule(self, distinct_experts: Sequence[int] | None = None):
-        """(dmas, phases) of one step. `distinct_experts[l-1]` = distinct experts fetched at MoE
-        layer l (default: the expected value, rounded). Dense tiles are exactly what the kernel
-        issues; expert tiles follow the routing."""
-        c, R = self.config, self.rows
+    # ---- the DMA list and the phases (what the kernel executes and the simulator replays) -------
+    def schedule(self, distinct_experts: Sequence[float] | None = None):
+        """(dmas, phases) of one step, as `options` lays them out (`mk.schedule` for a megakernel,
+        `mk.conventional` for one kernel per op). `distinct_experts[l-1]` = distinct experts this
+        device fetches at MoE layer l (default: the expected value, rounded; a fraction makes the
+        last expert's DMAs and work that fraction: an expectation, for the simulator). Dense tiles
+        are exactly what the kernel issues; expert tiles follow the routing."""
+        c = self.config
         if distinct_experts is None:
             n = max(1, round(self.expected_distinct_experts()))
             distinct_experts = [n] * c.n_moe
-        dmas: list[WeightDMA] = []
-        phases: list[Phase] = []
-
-        def phase(layer, name, kind, **kw):
-            phases.append(Phase(len(phases), layer, name, kind, rows=R, **kw))
-            return phases[-1].index
-
-        issued = {f: 0 for f in FORMATS}           # tiles issued into each format's slot pool
-
-        def matmul(layer, m: Matrix, tensor=None, expert_bytes=0):
-            idx = len(phases)
-            ids = []
-            for t in range(m.tiles):
-                ids.append(len(dmas))
-                dmas.append(WeightDMA(len(dmas), layer, tensor or m.name, t, m.tile_bytes,
-                                      self.slot_id(m.format, issued[m.format]), idx))
-                issued[m.format] += 1
-            phase(layer, tensor or m.name, "mxu", flops=2 * R * m.k_pad * m.n_pad, dmas=tuple(ids),
-                  expert_dmas=expert_bytes)
-
-        H, D = self.heads, c.head_dim
-
-        def collective(layer, name):
-            x = self.collectives[name]
-            phase(layer, name, "collective", collective_bytes=x.remote_bytes, collective_phases=1)
-
-        def attention(layer, kind):
-            if kind == "kda":
-                state = self.batch * H * D * D * 4
-                phase(layer, "kda_recurrence", "vector", vector_bytes=6 * state, hbm_bytes=2 * state)
-            else:
-                cache = self.batch * H * self.ctx * (c.k_cache_dim + D) * 2
-                phase(layer, "mla_attention", "vector", vector_bytes=2 * cache, hbm_bytes=cache)
-
-        # What follows a matrix of the stream (by name): the phases between it and the next one.
-        after = {"moe.router": lambda l: phase(l, "routing", "vector",
-                                               vector_bytes=c.top_k * R * round_up(c.experts, 128) * 4)}
-        if self.devices > 1:
-            after.update({"kda.o": lambda l: collective(l, "attn_out"), "mla.o": lambda l: collective(l, "attn_out"),
-                          "moe.in": lambda l: collective(l, "moe_latent"),
-                          "dense.down": lambda l: collective(l, "dense_out"),
-                          "moe.latent_up": lambda l: collective(l, "moe_out")})
-        if self.devices > 1:
-            collective(0, "embed")
-        for s in self.streams:
-            l = s.layer
-            if s.kind == "head":
-                phase(l, "final_mix", "vector", vector_bytes=(c.n_blocks + 2) * R * c.dim * 4)
-                matmul(l, s.matrix("lm_head"))
-                continue
-            phase(l, "attn_mix", "vector", vector_bytes=(c.n_attn_blocks(l) + 2) * R * c.dim * 4)
-            channel_mixer = False
-            for m in s.pre:
-                family = m.name.split(".")[0]
-                if m.name in ("kda.o", "mla.o"):                       # output projection: after the mixer
-                    attention(l, family)
-                if family in ("dense", "moe") and not channel_mixer:  # the channel mixer's first matrix
-                    channel_mixer = True
-                    phase(l, "mlp_mix", "vector", vector_bytes=(c.n_mlp_blocks(l) + 2) * R * c.dim * 4)
-                matmul(l, m)
-                after.get(m.name, lambda l: None)(l)
-            if s.has_experts:
-                for e in range(distinct_experts[l - 1]):
-                    matmul(l, self.expert_gu, f"expert[{e}].gu", self.expert_gu.bytes)
-                    matmul(l, self.expert_down, f"expert[{e}].down", self.expert_down.bytes)
-                if self.devices > 1:
-                    collective(l, "moe_routed")
-            for m in s.post:
-                matmul(l, m)
-                after.get(m.name, lambda l: None)(l)
-        return dmas, phases
+        if len(distinct_experts) != c.n_moe:
+            raise PlanError(f"distinct_experts: expected {c.n_moe} values (one per MoE layer), "
+                            f"found {len(distinct_experts)}")
+        if self.options.program == "per_op":
+            from mk.conventional import schedule
+        else:
+            from mk.schedule import schedule
+        return schedule(self, list(distinct_experts))
 
     def slot_id(self, fmt: str, n: int) -> int:
         """Slot of the n-th tile (0-based) issued into `fmt`'s slot pool; the pools are numbered
         one after another: bf16 slots 0 .. S-1, then the mxfp4 code|scale slots S .. 2S-1."""
-        return FORMATS.index(fmt) * self.num_slots + n % self.num_slots
+        return STREAM_FORMATS.index(fmt) * self.num_slots + n % self.num_slots
 
     @cached_property
     def dmas(self) -> list[WeightDMA]:
@@ -784,7 +859,7 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
               num_slots: int | None = None, tile: int | tuple[int, int] | None = None,
               vmem_limit: int | None = None, chip: str = "tpu7x", ctx: int = 256,
               layout: Layout = Layout(), check: bool = True, experts: str = "bf16", k: int = 0,
-              aux_layers: Sequence[int] = ()) -> Plan:
+              aux_layers: Sequence[int] = (), options: ScheduleOptions = MK) -> Plan:
     """Compute the plan; raises PlanError for bad parameters or (if `check`) a VMEM overflow.
 
     batch: sequences. k: draft tokens per sequence of a speculative verify step (0: plain decode);
@@ -792,7 +867,9 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
     whose entry prefix p the step copies to its `aux` output (the drafter's context, spec 4.1).
 
     experts: storage format of the routed experts, "bf16" or "mxfp4" (packed E2M1 codes + E8M0
-    scales in HBM, dequantized in VMEM; the checkpoint's own format). Every other matrix is bf16."""
+    scales in HBM, dequantized in VMEM; the checkpoint's own format). Every other matrix is bf16.
+    options: the schedule's choices (`ScheduleOptions`); the kernel runs `MK`, other points (the
+    seed's schedule, `SEED`) are for the simulator and shape the matrices as that schedule does."""
     if not 1 <= batch <= MAX_ROWS:
         raise PlanError(f"batch must be in 1..{MAX_ROWS}, found {batch}")
     if k < 0:
@@ -818,31 +895,31 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
         raise PlanError(f"unknown chip {chip!r}: expected one of {sorted(VMEM_BYTES)}")
     if ctx % 128 or ctx <= 0:
         raise PlanError(f"ctx must be a positive multiple of 128, found {ctx}")
-    for name in ("tp_attn", "ep", "tp_expert"):
-        if getattr(layout, name) < 1:
-            raise PlanError(f"layout.{name} must be >= 1")
-    if not layout.single:
+    if not isinstance(options, ScheduleOptions):
+        raise PlanError(f"options must be a ScheduleOptions (e.g. mk.plan.MK or SEED), found {options!r}")
+    if not layout.single and options.kernel:
         from mk.sharding import check_layout
         check_layout(cfg, layout)
+    layout.check(cfg)
     vmem_limit = vmem_limit or min(DEFAULT_VMEM_LIMIT, VMEM_BYTES[chip])
     if experts not in FORMATS:
         raise PlanError(f"experts must be one of {FORMATS}, found {experts!r}")
-    if experts == "mxfp4":
+    if experts == "mxfp4" and options.kernel:
         _check_mxfp4(cfg, tk, layout)
 
+    mt = (tk, tn) if options.dma == "tile" else (None, None)       # 'matrix': one tile per matrix
     streams = []
     base = 0
     for l in range(cfg.layers + 1):
-        kind, pre, post = _layer_matrices(cfg, l, tk, tn, layout)
+        kind, pre, post = _layer_matrices(cfg, l, *mt, layout, options)
         s = LayerStream(l, kind, pre, post, base)
         base += s.pre_tiles + s.post_tiles
         streams.append(s)
     fe = cfg.expert_hidden // layout.tp_expert
     lp = layout.devices * round_up(cfg.latent // layout.devices, 128)     # the gathered latent width
-    gu = _matrix("expert.gu", lp, [(("moe", "w1"), fe), (("moe", "w3"), fe)], tk, tn, fmt=experts)
-    down = _matrix("expert.down", fe, [(("moe", "w2"), lp)], tk, tn, fmt=experts)
+    gu, down = _expert_matrices(cfg, fe, lp, mt, experts, options)
     plan = Plan(cfg, batch * (1 + k), prefetch_depth, num_slots, tk, tn, vmem_limit, chip, ctx, layout,
-                tuple(streams), gu, down, seq_rows=1 + k, aux_layers=aux_layers)
+                tuple(streams), gu, down, options=options, seq_rows=1 + k, aux_layers=aux_layers)
     if check:
         plan.check_vmem()
     return plan
@@ -862,13 +939,26 @@ def latent_offsets(latent: int, devices: int) -> tuple[int, ...]:
     return offs if max(offs) + per <= round_up(per, 128) else (0,) * devices
 
 
-def _matrix(name, k, parts, tk, tn, head_pads=None, fmt="bf16") -> Matrix:
+def _matrix(name, k, parts, tk, tn, head_pads=None, fmt="bf16", align=128) -> Matrix:
+    """A streamed matrix [k, sum of parts]; each part starts on an `align`-lane boundary. tk / tn
+    None: one tile holding the whole matrix (a whole-matrix DMA, `ScheduleOptions.dma='matrix'`)."""
     placed, off = [], 0
     for i, (src, width) in enumerate(parts):
         hp = head_pads.get(src) if head_pads else None
         placed.append(Part(src, off, width, hp))
-        off += round_up(width, 128)
-    return Matrix(name, k, off, tuple(placed), tk, tn, fmt)
+        off += round_up(width, align)
+    return Matrix(name, k, off, tuple(placed), tk or k, tn or round_up(off, 128), fmt)
+
+
+def _expert_matrices(cfg: K3Config, fe: int, lp: int, tile, experts: str, options: ScheduleOptions):
+    """One routed expert's [w1 | w3] (latent -> 2 Fe) and w2 (Fe -> latent) on one device. mk's kernel
+    contracts over its gathered latent layout (`lp` lanes: N blocks of 128); the seed's kernel and a
+    GPU stack over the latent itself."""
+    k = lp if options.collectives == "merged" and options.program == "megakernel" else cfg.latent
+    gu = _matrix("expert.gu", k, [(("moe", "w1"), fe), (("moe", "w3"), fe)], *tile,
+                 fmt=options.expert_gate_up or experts)
+    down = _matrix("expert.down", fe, [(("moe", "w2"), k)], *tile, fmt=options.expert_down or experts)
+    return gu, down
 
 
 def _check_mxfp4(cfg: K3Config, tk: int, lay: Layout):
@@ -890,23 +980,33 @@ def _check_mxfp4(cfg: K3Config, tk: int, lay: Layout):
                         f"blocks, would overrun the block (use experts='bf16' or another mesh)")
 
 
-def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
+def _layer_matrices(cfg: K3Config, l: int, tk: int | None, tn: int | None, lay: Layout,
+                    options: ScheduleOptions = MK):
+    """The matrices layer `l` streams, in consumption order (layer `layers` = the LM head): mk's
+    fused layout, or with `options.collectives == 'seed'` the seed kernel's per-rank shapes (spec
+    3.2 / 3.4: m_gate a scoped copy of its own, half the router, latent_down 128 columns per rank,
+    the latent up-projection by 1024-lane blocks, the dense MLP padded to 1152 and moved in 7 + 3
+    row-block slabs)."""
     d, D = cfg.dim, cfg.head_dim
     H = cfg.heads // lay.tp_attn
     HD = H * D
+    seed = options.collectives == "seed"
     if l == cfg.layers:
         vocab = cfg.vocab // lay.tp_attn
         return "head", (_matrix("lm_head", d, [(("lm_head", ""), vocab)], tk, tn),), ()
     if cfg.is_mla(l):
         kv_w = cfg.kv_rank + (cfg.k_cache_dim - D)   # k_r padded so [k_nope | k_r | 0] is aligned
         Hn = H
-        attn = (
-            _matrix("mla.in", d, [(("mla", "q_a"), cfg.q_rank), (("mla", "kv_a"), kv_w), (("mla", "g"), HD)], tk, tn),
-            _matrix("mla.q_b", cfg.q_rank, [(("mla", "q_b"), Hn * cfg.k_cache_dim)], tk, tn,
-                    {("mla", "q_b"): (Hn, cfg.qk_head_dim, cfg.k_cache_dim)}),
-            _matrix("mla.kv_b", cfg.kv_rank, [(("mla", "kv_b"), Hn * 2 * D)], tk, tn),
-            _matrix("mla.o", HD, [(("mla", "o"), d)], tk, tn),
-        )
+        q_b = (_matrix("mla.q_b", cfg.q_rank, [(("mla", "q_b"), Hn * cfg.k_cache_dim)], tk, tn,
+                       {("mla", "q_b"): (Hn, cfg.qk_head_dim, cfg.k_cache_dim)}),
+               _matrix("mla.kv_b", cfg.kv_rank, [(("mla", "kv_b"), Hn * 2 * D)], tk, tn))
+        if seed:
+            attn = (_matrix("mla.in", d, [(("mla", "q_a"), cfg.q_rank), (("mla", "kv_a"), kv_w)], tk, tn),) + q_b + (
+                _matrix("mla.gate", d, [(("mla", "g"), HD)], tk, tn),)
+        else:
+            attn = (_matrix("mla.in", d, [(("mla", "q_a"), cfg.q_rank), (("mla", "kv_a"), kv_w), (("mla", "g"), HD)],
+                            tk, tn),) + q_b
+        attn += (_matrix("mla.o", HD, [(("mla", "o"), d)], tk, tn),)
         kind = "mla"
     else:
         attn = (
@@ -918,10 +1018,26 @@ def _layer_matrices(cfg: K3Config, l: int, tk: int, tn: int, lay: Layout):
         kind = "kda"
     if l == 0:
         F = cfg.dense_hidden // lay.tp_attn
-        mlp = (_matrix("dense.gate_up", d, [(("dense", "gate"), F), (("dense", "up"), F)], tk, tn),
-               _matrix("dense.down", F, [(("dense", "down"), d)], tk, tn))
+        if seed:
+            F = round_up(F, 128)
+            slab = lambda k, n: -(-k // n) if tk is None else tk       # spec 3.4: 7 + 3 row-block slabs
+            mlp = (_matrix("dense.gate_up", d, [(("dense", "gate"), F), (("dense", "up"), F)], slab(d, 7), tn),
+                   _matrix("dense.down", F, [(("dense", "down"), d)], slab(F, 3), tn))
+        else:
+            mlp = (_matrix("dense.gate_up", d, [(("dense", "gate"), F), (("dense", "up"), F)], tk, tn),
+                   _matrix("dense.down", F, [(("dense", "down"), d)], tk, tn))
         return kind + "+dense", attn + mlp, ()
     S = cfg.shared_hidden // lay.tp_attn
+    if seed:
+        lu_cols = min(round_up(-(-d // lay.lanes_per_host), 1024), d)
+        pre = attn + (
+            _matrix("moe.router", d, [(("moe", "router"), round_up(-(-cfg.experts // 2), 128))], tk, tn),
+            _matrix("moe.latent_down", d, [(("moe", "latent_down"), round_up(-(-cfg.latent // lay.tp_attn), 128))],
+                    tk, tn),
+            _matrix("moe.shared_gu", d, [(("moe", "shared_gate"), S), (("moe", "shared_up"), S)], tk, tn, align=1),
+            _matrix("moe.shared_down", S, [(("moe", "shared_down"), d)], tk, tn),
+        )
+        return kind + "+moe", pre, (_matrix("moe.latent_up", cfg.latent, [(("moe", "latent_up"), lu_cols)], tk, tn),)
     Lt = cfg.latent // lay.tp_attn                 # this rank's latent slice (all of it on one device)
     pre = attn + (
         _matrix("moe.router", d, [(("moe", "router"), cfg.experts)], tk, tn),

@@ -143,7 +143,7 @@ CASES = [
     # simulate
     (["simulate", "--system", "h100x8"], "--system: unknown system 'h100x8'"),
     (["simulate", "--batch", "one"], "--batch: expected comma-separated integers"),
-    (["simulate", "--batch", "0"], "--batch: batch sizes must be in 1..64"),
+    (["simulate", "--batch", "0"], "--batch: batch sizes must be in 1..8"),
     (["simulate", "--config", "nope"], "unknown config 'nope'"),
     (["simulate", "--context", "-3"], "argument --context: must be at least 1"),
     # notebooks (mk/cli/notebooks.py: tested here, owned elsewhere)

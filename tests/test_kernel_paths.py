@@ -306,6 +306,26 @@ def test_each_distinct_expert_fetched_once(mixed_run):
     assert saved > 0          # rows shared experts somewhere: fetched once for the batch, not per row
 
 
+@pytest.mark.slow
+def test_runtime_dma_order_is_the_plans_schedule(mixed_run):
+    """The tiles the kernel issued, in its runtime order, are the DMA entries of `Plan.schedule()`
+    for the routing that happened: the list `mk.sim` replays is the list the kernel executes."""
+    plan = mixed_run["step_fn"].plan
+    routing = mixed_run["routing"]
+    dmas, _ = plan.schedule([len(routing[l]) for l in range(1, plan.config.layers)])
+    planned, dense = [], 0
+    for d in dmas:
+        if d.tensor.startswith("expert["):
+            e, part = int(d.tensor[len("expert["):d.tensor.index("]")]), d.tensor.rsplit(".", 1)[1]
+            tile = d.tile + (plan.expert_gu.tiles if part == "down" else 0)
+            planned.append(("expert", d.layer, sorted(routing[d.layer])[e], tile))
+        else:
+            planned.append(("dense", dense))
+            dense += 1
+    issues, _ = ring_events(mixed_run)
+    assert [what for _, what in issues] == planned
+
+
 # ---- 3. weights from a checkpoint ----------------------------------------------------------------
 @pytest.mark.slow
 def test_kernel_on_checkpoint_weights(tmp_path):

@@ -40,3 +40,40 @@ def test_vmem_overflow_refused_with_clear_message():
     with pytest.raises(PlanError, match=r"MiB of VMEM but the limit is 64.0 MiB.*slots bfloat16\[61, 512, 512\]"):
         make_plan(get_config("k3-slice"), 1, prefetch_depth=60)
     assert make_plan(get_config("k3-slice"), 1, prefetch_depth=40).vmem_planned_bytes < 64 * MiB
+
+
+def test_schedule_options_are_points_of_one_space():
+    from mk.plan import CONVENTIONAL, MK, SEED, ScheduleOptions
+    assert MK.kernel and not SEED.kernel and not CONVENTIONAL.kernel
+    assert ScheduleOptions("other").kernel                     # the name is a label
+    diff = SEED.differences(MK)
+    assert diff["prefetch"] == ("lookahead", "ring") and diff["expert_slots"] == (4, 0)
+    assert diff["expert_gate_up"] == ("fp8", None) and diff["collectives"] == ("seed", "merged")
+    with pytest.raises(PlanError, match="ScheduleOptions.prefetch must be one of"):
+        ScheduleOptions(prefetch="psychic")
+    with pytest.raises(PlanError, match="whole matrices"):
+        ScheduleOptions(prefetch="lookahead")                    # the lookahead moves whole matrices
+    with pytest.raises(PlanError, match="expert_slots"):
+        ScheduleOptions(expert_slots=-1)
+    with pytest.raises(PlanError, match="options must be a ScheduleOptions"):
+        make_plan(get_config("mini"), 1, options="seed")
+
+
+def test_options_shape_the_matrices_and_the_schedule():
+    """The same make_plan, two points: mk's tiles through one ring, the seed's whole matrices in
+    named buffers, its FP8 gate/up, its collectives; the kernel's plan is unchanged by the default."""
+    from mk.plan import MK, SEED
+    cfg = get_config("mini")
+    mk, seed = (make_plan(cfg, 2, options=o, check=False) for o in (MK, SEED))
+    assert mk == make_plan(cfg, 2, check=False)
+    assert seed.stream(1).matrix("moe.router").tiles == 1 and seed.expert_gu.format == "fp8"
+    k3 = {o.name: make_plan(get_config("k3"), 1, options=o, check=False) for o in (MK, SEED)}
+    assert k3["seed"].stream(1).matrix("moe.router").n == 512               # the seed streams half the router
+    assert k3["mk"].stream(1).matrix("moe.router").n == 896
+    dm, ph = seed.schedule()
+    assert {d.slot for d in dm}.isdisjoint(range(3 * seed.num_slots))   # named buffers, not ring slots
+    assert any(d.issue_after >= 0 for d in dm)
+    assert all(d.issue_after == -1 for d in mk.dmas if not d.tensor.startswith("expert["))
+    routing = [p.index for p in mk.phases if p.name == "routing"]
+    assert all(d.issue_after in routing for d in mk.dmas if d.tensor.startswith("expert["))
+    assert "kda.f_a" in {p.name for p in ph} and "routing" in {p.name for p in ph}

@@ -7,6 +7,7 @@ import pytest
 from mk import hardware as hw
 from mk import roofline as rl
 from mk.config import K3Config, get_config
+from mk.plan import SEED_TPU7X16, Layout, PlanError
 
 MiB = 1 << 20
 K3 = K3Config()
@@ -130,44 +131,47 @@ def test_systems():
         hw.get_system("tpu-v9")
 
 
-# ---- byte accounting ---------------------------------------------------------------------------
-def _mib(ts, name):
-    return {t.name: t for t in ts}[name].bytes / MiB
+# ---- byte accounting ----------------------------------------------------------------------------
+def _mib(plan, layer, name):
+    return plan.stream(layer).matrix(name).bytes / MiB
 
 
-def test_tpu_per_rank_tensors_match_spec():
+def test_seed_per_rank_matrices_match_spec():
     """Spec 3.3 / 6.2: KDA projections 29.84 MiB, MLA 43.25 MiB (incl. scoped), MoE non-expert
-    23.6 MiB (router half 7, latent 8.75, shared 7.9), dense slabs 31.5 + 15.75 MiB."""
-    t = rl.layer_tensors(K3, rl.SEED_TPU_LAYOUT, rl.TPU_SEED_FORMATS)
-    kda = sum(x.bytes for x in t["kda"] if x.group == "kda") / MiB
-    mla = sum(x.bytes for x in t["mla"] if x.group == "mla") / MiB
+    23.6 MiB (router half 7, latent 8.75, shared 7.9), dense slabs 31.5 + 15.75 MiB: the seed's
+    schedule is mk.plan's matrices shaped by the SEED options (one list of matrices)."""
+    from mk import sim
+    p = sim.seed_plan(K3, 1, "tpu-v7x16")
+    kda = sum(m.bytes for m in p.stream(1).pre if m.name.startswith("kda.")) / MiB
+    mla = sum(m.bytes for m in p.stream(3).pre if m.name.startswith("mla.")) / MiB
     assert kda == pytest.approx(29.84, abs=0.01)
     assert mla == pytest.approx(43.25, abs=0.01)
-    assert _mib(t["kda"], "kda.k_projection") == pytest.approx(22.75)
-    assert _mib(t["mla"], "mla.m_ka") == pytest.approx(8.75)
-    assert _mib(t["moe"], "moe.router_half") == pytest.approx(7.0)
-    assert _mib(t["moe"], "moe.latent_down") + _mib(t["moe"], "moe.latent_up") == pytest.approx(8.75)
-    assert _mib(t["moe"], "moe.shared_gu") + _mib(t["moe"], "moe.shared_down") == pytest.approx(7.875)
-    assert _mib(t["dense"], "dense.gate_up") == pytest.approx(31.5)
-    assert _mib(t["dense"], "dense.down") == pytest.approx(15.75)
-    assert _mib(t["head"], "lm_head") == pytest.approx(70.0)
+    assert _mib(p, 1, "kda.in") == pytest.approx(22.75)
+    assert _mib(p, 1, "moe.router") == pytest.approx(7.0)
+    assert _mib(p, 1, "moe.latent_down") + _mib(p, 1, "moe.latent_up") == pytest.approx(8.75)
+    assert _mib(p, 1, "moe.shared_gu") + _mib(p, 1, "moe.shared_down") == pytest.approx(7.875)
+    assert _mib(p, 0, "dense.gate_up") == pytest.approx(31.5) and p.stream(0).matrix("dense.gate_up").tiles == 7
+    assert _mib(p, 0, "dense.down") == pytest.approx(15.75) and p.stream(0).matrix("dense.down").tiles == 3
+    assert _mib(p, K3.layers, "lm_head") == pytest.approx(70.0)
+    # one expert: gate/up fp8 [3584, 1536] + bf16 scales [14, 1536]; down MXFP4 [768, 3584] + E8M0 [24, 3584]
+    assert p.expert_gu.bytes == 3584 * 1536 + 14 * 1536 * 2
+    assert p.expert_down.bytes == 768 * 3584 // 2 + 24 * 3584
 
 
 def test_expert_slice_bytes_by_format():
-    ex = rl.expert_slice_bytes(K3, rl.SEED_TPU_LAYOUT, rl.TPU_SEED_FORMATS)
-    # gate/up fp8 [3584, 1536] + bf16 scales [14, 1536]; down MXFP4 [768, 3584] + E8M0 [24, 3584]
+    ex = rl.expert_slice_bytes(K3, SEED_TPU7X16, rl.WeightFormats("bf16", "fp8", "mxfp4"))
     assert ex["gate_up"] == pytest.approx(3584 * 1536 + 14 * 1536 * 2)
     assert ex["down"] == pytest.approx(768 * 3584 / 2 + 24 * 3584)
     assert rl.bytes_per_param("bf16") == 2 and rl.bytes_per_param("fp8") == pytest.approx(1 + 2 / 256)
     assert rl.bytes_per_param("mxfp4") == pytest.approx(0.53125)
-    gpu = rl.expert_slice_bytes(K3, rl.GB200_LAYOUT, rl.GPU_MXFP4_FORMATS)
+    gpu = rl.expert_slice_bytes(K3, hw.get_system("gb200x16").layout, rl.WeightFormats("bf16", "mxfp4", "mxfp4"))
     assert gpu["total"] == pytest.approx(3 * 3584 * 3072 * 0.53125)
     with pytest.raises(rl.RooflineError, match="unknown format"):
         rl.WeightFormats(expert_down="nf4")
 
 
 def test_distinct_experts_expectation():
-    lay = rl.SEED_TPU_LAYOUT
+    lay = SEED_TPU7X16
     for b in (1, 2, 4, 8):
         ec = rl.distinct_experts(K3, b, lay)
         assert ec.mean == pytest.approx(112 * (1 - (1 - 16 / 896) ** b))
@@ -187,21 +191,26 @@ def test_expected_max_binomial_by_enumeration():
 
 
 def test_layout_checks():
-    with pytest.raises(rl.RooflineError, match="tp_attn=5 does not divide heads"):
-        rl.layer_tensors(K3, rl.ParallelLayout(16, 2, 5, 8, 4), rl.TPU_SEED_FORMATS)
-    with pytest.raises(rl.RooflineError, match="positive integer"):
-        rl.ParallelLayout(0, 2, 32, 8, 4)
+    """One Layout type (mk.plan.Layout) for the kernel, the plans of the seed's systems and the roofline."""
+    with pytest.raises(PlanError, match="tp_attn=5 does not divide heads"):
+        Layout(16, 2, 5, 8, 4).check(K3)
+    with pytest.raises(PlanError, match="positive integer"):
+        Layout(0, 2, 32, 8, 4)
+    with pytest.raises(PlanError, match="style"):
+        Layout(style="fpga")
+    assert hw.get_system("tpu-v7x16").layout == SEED_TPU7X16            # data/systems.csv = spec 3.2
+    assert Layout(16, 2, 32, 8, 4, name="a") == Layout(16, 2, 32, 8, 4, name="b")   # the name is a label
 
-    class PlanLayout:          # duck-typed mk.plan.Layout
+    class PlanLayout:          # duck-typed layout
         chips, cores_per_chip, tp_attn, ep, tp_expert = 16, 2, 32, 8, 4
-    assert rl.as_layout(PlanLayout()).devices == 32
+    assert rl.as_layout(PlanLayout()).devices == 32 and isinstance(rl.as_layout(PlanLayout()), Layout)
 
 
 # ---- roofline ----------------------------------------------------------------------------------
 def test_roofline_floors_and_intensity():
     r = rl.roofline(K3, 1, 512, system="tpu-v7x16")
     sys_ = hw.get_system("tpu-v7x16")
-    assert r.t_hbm == pytest.approx(r.total_bytes / sys_.hbm_bw)
+    assert r.schedule == "seed" and r.t_hbm == pytest.approx(r.total_bytes / sys_.hbm_bw)
     assert r.ridge == pytest.approx(sys_.peak_flops("bf16") / sys_.hbm_bw)
     assert r.intensity == pytest.approx(r.total_flops / r.total_bytes)
     assert r.intensity < r.ridge                     # decode is far below the ridge point
@@ -209,20 +218,30 @@ def test_roofline_floors_and_intensity():
     assert r.ceiling_tok_s == pytest.approx(1 / max(r.t_hbm, r.t_compute, r.t_collective))
     cats = {row["category"] for row in r.breakdown}
     assert {"kda", "mla", "moe_router", "moe_latent", "moe_shared", "moe_experts", "dense_mlp", "lm_head",
-            "embedding", "kda_state", "mla_cache", "collective"} <= cats
+            "kda_state", "mla_cache", "collective"} <= cats
+    assert r.collectives["phases"] == 8 * K3.n_moe + 5       # 8 per MoE layer, 3 + 2 in layer 0 (spec 3.8)
     # B = 1, mean experts: the spec's ~6.9 GB of weights per token per rank
     m = rl.roofline(K3, 1, 512, system="tpu-v7x16", straggler=False)
     weights = m.total_bytes - m.bytes["kda_state"] - m.bytes["mla_cache"]
     assert weights == pytest.approx(6.9e9, rel=0.03)
 
 
+def test_roofline_is_the_plans_entries():
+    """The roofline's bytes are the DMAs and cache streams the simulator replays, no second list."""
+    from mk import sim
+    r = rl.roofline(K3, 2, 512, system="tpu-v7x16")
+    res = sim.model(K3, 2, "tpu-v7x16")
+    assert r.total_bytes == pytest.approx(res.bytes_moved, rel=1e-9)
+    assert r.bytes["moe_experts"] == pytest.approx(sum(d.bytes for d in res.dmas if d.tensor.startswith("expert[")))
+
+
 def test_roofline_bytes_grow_with_batch_through_experts():
     r1, r8 = (rl.roofline(K3, b, system="tpu-v7x16") for b in (1, 8))
     assert r8.bytes["moe_experts"] > 4 * r1.bytes["moe_experts"]
     assert r8.bytes["kda"] == r1.bytes["kda"]
-    assert r8.total_flops > 7 * r1.total_flops
+    assert r8.total_flops > 5 * r1.total_flops                      # ~linear in B (experts: their routed rows)
     g = rl.roofline(K3, 1, system="gb200x16")
-    assert g.layout.style == "gpu" and g.bytes["moe_experts"] > 0
+    assert g.layout.style == "gpu" and g.schedule == "conventional" and g.bytes["moe_experts"] > 0
 
 
 def test_seed_efficiency_ratio_is_about_1_7():
@@ -236,16 +255,48 @@ def test_seed_efficiency_ratio_is_about_1_7():
 
 def test_mini_config_accounting_runs():
     cfg = get_config("mini")
-    lay = rl.ParallelLayout(1, 1, 1, 1, 1, "tpu")
-    r = rl.roofline(cfg, 2, 256, layout=lay, system="tpu-v7x16")
-    assert r.total_bytes > 0 and r.experts_per_layer <= cfg.experts
+    r = rl.roofline(cfg, 2, 256, layout=Layout(), system="tpu-v7x16")
+    assert r.total_bytes > 0 and r.experts_per_layer <= cfg.experts and r.collectives["phases"] == 0
 
 
 def test_fit_layout_shrinks_the_seed_layout_to_a_small_model():
-    assert rl.fit_layout(rl.SEED_TPU_LAYOUT, K3) is rl.SEED_TPU_LAYOUT       # K3 fits as is
+    assert SEED_TPU7X16.fit(K3) is SEED_TPU7X16                          # K3 fits as is
     mini = get_config("mini")                                               # 2 heads, 16 experts
-    with pytest.raises(rl.RooflineError, match="tp_attn=32 does not divide heads=2"):
-        rl.roofline(mini, 1, 256, system="tpu-v7x16")
-    lay = rl.fit_layout(rl.SEED_TPU_LAYOUT, mini)
+    with pytest.raises(PlanError, match="tp_attn=32 does not divide heads=2"):
+        rl.roofline(mini, 1, 256, layout=SEED_TPU7X16, system="tpu-v7x16")
+    lay = SEED_TPU7X16.fit(mini)
     assert (lay.devices, lay.tp_attn, lay.ep, lay.tp_expert) == (32, 2, 8, 4) and "fitted" in lay.name
-    assert rl.roofline(mini, 1, 256, layout=lay, system="tpu-v7x16").total_bytes > 0
+    assert rl.roofline(mini, 1, 256, system="tpu-v7x16").layout == lay      # the system's layout, fitted
+
+
+def test_microbench_ranges_and_systems_table(tmp_path):
+    """Every constant a system reads has a source and a range around its value; assumptions say so;
+    bad range or layout rows name the file, the line and the column."""
+    for name in hw.SYSTEMS:
+        s = hw.get_system(name)
+        for k, c in s.constants.items():
+            assert c.source and c.low <= c.value <= c.high, (name, k)
+        assert s.setup.use and all(not a.use for a in s.alternatives)
+    tpu, gpu = hw.get_system("tpu-v7x16"), hw.get_system("gb200x16")
+    assert tpu.constants["mxu_min_rows"].value == 16 and "spec 3.5" in tpu.constants["mxu_min_rows"].source
+    assert tpu.constants["mxu_push_rows"].assumption and not tpu.constants["dma_bw"].assumption
+    assert gpu.setup.assumption and gpu.constants["step_overhead"].assumption and len(gpu.alternatives) >= 2
+    t0, bw = hw.allreduce_phase_fit(hw.load_microbench())
+    assert 2 * (t0 + 7 / 8 * 8 * 8192 * 2 / bw) == pytest.approx(7.3e-6)     # reproduces the bf16 measurement
+    head = "system,quantity,value,unit,low,high,source,note\n"
+    p = _write(tmp_path, "mb.csv", head + "s,q,5,s,6,7,src,\n")
+    with pytest.raises(hw.HardwareDataError, match=r"mb\.csv: line 2: columns 'low'/'high'.*does not contain"):
+        hw.load_microbench(p)
+    p = _write(tmp_path, "mb.csv", head + "s,q,5,s,4,,src,\n")
+    with pytest.raises(hw.HardwareDataError, match="give both or neither"):
+        hw.load_microbench(p)
+    cols = "system,chip,chips,cores_per_chip,tp_attn,ep,tp_expert,style,program,expert_gate_up,expert_down,published_system,use,source\n"
+    p = _write(tmp_path, "sys.csv", cols + "x,gb200,16,1,16,16,1,gpu,batched,mxfp4,mxfp4,x,1,src\n")
+    with pytest.raises(hw.HardwareDataError, match=r"sys\.csv: line 2: column 'program'"):
+        hw.load_systems(p)
+    p = _write(tmp_path, "sys.csv", cols + "x,gb200,16,1,32,16,1,gpu,per_op,mxfp4,mxfp4,x,1,src\n")
+    with pytest.raises(hw.HardwareDataError, match=r"line 2: .*cannot exceed the 16 devices"):
+        hw.load_systems(p)
+    p = _write(tmp_path, "sys.csv", cols + "x,gb200,16,1,16,16,1,gpu,per_op,mxfp4,mxfp4,x,0,src\n")
+    with pytest.raises(hw.HardwareDataError, match="exactly one row with use=1"):
+        hw.load_systems(p)

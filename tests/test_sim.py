@@ -1,4 +1,6 @@
-"""The schedule simulator (mk.sim): hand-computable cases, determinism, and the seed validation."""
+"""The schedule simulator (mk.sim): hand-computable cases, one plan type for the kernel and the model,
+the seed validation, mk's plan, the sensitivity sweep and the modelled trace."""
+import dataclasses
 import json
 
 import pytest
@@ -6,19 +8,29 @@ import pytest
 from mk import hardware as hw
 from mk import sim
 from mk.config import K3Config, get_config
-from mk.sim import Machine, Phase, SimPlan, WeightDMA
+from mk.plan import CONVENTIONAL, MK, SEED, Phase, Plan, WeightDMA, make_plan
+from mk.sim import Machine
 
 K3 = K3Config()
 MS = 1e-3
 
 # 1 GB/s DMA, 1 TFLOP/s MXU with no padding: 1e6 bytes = 1 ms, 1e9 flops = 1 ms.
-M = Machine(dma_bw=1e9, dma_latency=0.0, flops={"bf16": 1e12}, mxu_dim=1, min_rows=1,
-            vector_flops=1e12, vector_bw=1e12, collective_latency=0.0, link_bw={"ici": 1e9})
+M = Machine(dma_bw=1e9, dma_latency=0.0, flops={"bf16": 1e12}, vector_flops=1e12, vector_bw=1e12,
+            links={"ici": (0.0, 1e9)})
 
 
-def plan(dmas, phases, depth=100):
-    return SimPlan(config=K3, batch=1, prefetch_depth=depth, num_slots=len({d.slot for d in dmas}),
-                   layout=None, dmas=dmas, phases=phases)
+@dataclasses.dataclass
+class HandPlan:
+    """Entries written out by hand, behind the interface the simulator reads from a `mk.plan.Plan`
+    (schedule(), options, prefetch_depth, batch)."""
+    dmas: list
+    phases: list
+    prefetch_depth: int = 100
+    batch: int = 1
+    options: object = MK
+
+    def schedule(self, distinct_experts=None):
+        return self.dmas, self.phases
 
 
 def mm(i, flops, dmas=(), **kw):
@@ -30,13 +42,14 @@ def dma(i, phase, slot, nbytes=1e6, **kw):
 
 
 def test_one_dma_one_compute_phase():
-    m = Machine(dma_bw=1e9, dma_latency=1e-6, flops={"bf16": 1e12})
-    r = sim.simulate(plan([dma(0, 0, 0)], [mm(0, 2e6, [0])]), m)
+    m = dataclasses.replace(M, dma_latency=1e-6)
+    r = sim.simulate(HandPlan([dma(0, 0, 0)], [mm(0, 2e6, [0])]), m)
     # latency + bytes / bw + flops / peak
     assert r.step_time == pytest.approx(1e-6 + 1e-3 + 2e-6)
-    assert r.bytes_moved == 1e6
+    assert r.bytes_moved == 1e6 and r.weight_bytes == 1e6
     assert r.tokens_per_s == pytest.approx(1 / r.step_time)
-    assert r.timeline["descriptors"] == [(pytest.approx(1e-6), pytest.approx(1.001e-3), "L0:w0#0")]
+    assert r.tracks["dma"] == [(pytest.approx(1e-6), pytest.approx(1.001e-3), "L0:w0#0")]
+    assert r.breakdown == {"weights wait": pytest.approx(1.001e-3), "mxu": pytest.approx(2e-6)}
 
 
 def test_two_slot_ring():
@@ -44,18 +57,17 @@ def test_two_slot_ring():
     land at 2 ms; w2 waits for slot 0 (freed when mm0 ends at 4 ms) and lands at 5 ms."""
     dm = [dma(0, 0, 0), dma(1, 1, 1), dma(2, 2, 0)]
     ph = [mm(0, 2e9, [0]), mm(1, 2e9, [1]), mm(2, 2e9, [2])]
-    r = sim.simulate(plan(dm, ph), M)
-    compute = [(round(s / MS, 6), round(e / MS, 6)) for s, e, _ in r.timeline["compute"]]
-    assert compute == [(2, 4), (4, 6), (6, 8)]
+    r = sim.simulate(HandPlan(dm, ph), M)
+    assert [(round(s / MS, 6), round(e / MS, 6)) for s, e, _ in r.tracks["mxu"]] == [(2, 4), (4, 6), (6, 8)]
     # phase_times: from the moment a phase becomes current (waiting included) to its end
     assert [(round(s / MS, 6), round(e / MS, 6)) for *_, s, e in r.phase_times] == [(0, 4), (4, 6), (6, 8)]
     assert r.step_time == pytest.approx(8 * MS)
-    desc = {lab: (s / MS, e / MS) for s, e, lab in r.timeline["descriptors"]}
+    desc = {lab: (s / MS, e / MS) for s, e, lab in r.tracks["dma"]}
     assert desc["L0:w2#0"] == (pytest.approx(4), pytest.approx(5))
     # three slots: all three share the engine from t = 0 and land together at 3 ms -> 9 ms:
     # more slots in flight make every weight land later (the round-robin effect of spec App. B.2)
     dm3 = [dma(0, 0, 0), dma(1, 1, 1), dma(2, 2, 2)]
-    assert sim.simulate(plan(dm3, ph), M).step_time == pytest.approx(9 * MS)
+    assert sim.simulate(HandPlan(dm3, ph), M).step_time == pytest.approx(9 * MS)
 
 
 def test_prefetch_depth_0_vs_2():
@@ -65,222 +77,342 @@ def test_prefetch_depth_0_vs_2():
     4 ms) -> phases at 3-4, 4-5, 5-6 ms."""
     dm = [dma(0, 1, 0), dma(1, 2, 1), dma(2, 3, 2)]
     ph = [mm(0, 3e9), mm(1, 1e9, [0]), mm(2, 1e9, [1]), mm(3, 1e9, [2])]
-    r0 = sim.simulate(plan(dm, ph, depth=0), M)
-    r2 = sim.simulate(plan(dm, ph, depth=2), M)
+    r0 = sim.simulate(HandPlan(dm, ph, prefetch_depth=0), M)
+    r2 = sim.simulate(HandPlan(dm, ph, prefetch_depth=2), M)
     assert r0.step_time == pytest.approx(9 * MS)
     assert r2.step_time == pytest.approx(6 * MS)
     assert [round(e / MS, 6) for *_, e in r2.phase_times] == [3, 4, 5, 6]
+    # the seed's lookahead ignores the depth window (its `issue_after` anchors decide): all three
+    # weights share the engine from t = 0 and land together at 3 ms, as phase 0 ends
+    look = sim.simulate(HandPlan(dm, ph, prefetch_depth=0, options=SEED), M)
+    assert sorted(e / MS for _, e, _ in look.tracks["dma"]) == [pytest.approx(3)] * 3
+    assert look.step_time == pytest.approx(6 * MS)
 
 
 def test_round_robin_sharing():
     """Two descriptors issued together share the bandwidth: 1 MB and 3 MB land at 2 ms and 4 ms."""
     dm = [dma(0, 0, 0, 1e6), dma(1, 0, 1, 3e6)]
-    r = sim.simulate(plan(dm, [mm(0, 0, [0, 1])]), M)
-    ends = sorted(e / MS for _, e, _ in r.timeline["descriptors"])
-    assert ends == [pytest.approx(2), pytest.approx(4)]
-    assert r.busy("dma") == pytest.approx(4 * MS)
+    r = sim.simulate(HandPlan(dm, [mm(0, 0, [0, 1])]), M)
+    assert sorted(e / MS for _, e, _ in r.tracks["dma"]) == [pytest.approx(2), pytest.approx(4)]
+    assert r.busy("dma busy") == pytest.approx(4 * MS)
+
+
+def test_dma_engine_processor_sharing():
+    """A transfer that joins later slows the first: 2 MB at t = 0, 1 MB at 0.5 ms on 1 GB/s.
+    0..0.5: 0.5 MB of the first; then 0.5 GB/s each: the second ends at 2.5 ms with the first at
+    0.5 MB left, which it moves alone at 1 GB/s: 3 ms."""
+    e = sim.DmaEngine("x", 1e9, 0.0)
+    a, b = sim.Transfer("a", "a", 2e6), sim.Transfer("b", "b", 1e6)
+    e.start(a, 0.0)
+    e.advance(0.0, 0.0)
+    e.advance(0.0, 0.5 * MS)
+    e.start(b, 0.5 * MS)
+    t = 0.5 * MS
+    while not e.idle:
+        t2 = e.next_event(t)
+        e.advance(t, t2)
+        t = t2
+    assert a.done == pytest.approx(3 * MS) and b.done == pytest.approx(2.5 * MS)
+    assert e.moved == 3e6
 
 
 def test_phase_costs():
-    m = Machine(dma_bw=1e9, flops={"bf16": 1e12, "fp8": 2e12}, mxu_dim=256, min_rows=16, vector_flops=1e10,
-                vector_bw=1e11, collective_latency=2e-6, link_bw={"ici": 1e10, "sibling": 1e11},
-                link_latency={"sibling": 1e-6})
+    m = Machine(dma_bw=1e9, flops={"bf16": 1e12, "fp8": 2e12}, mxu_min_rows=16, mxu_push_rows=256, vector_flops=1e10,
+                vector_bw=1e11, links={"ici": (2e-6, 1e10), "sibling": (1e-6, 1e11)}, fixed={"routing": 7e-7})
     # MXU: 1 row is padded to the 256-row weight push: 2 * 256 * K * N / peak
     assert m.compute_time(mm(0, 2 * 1 * 1000 * 1000)) == pytest.approx(2 * 256 * 1e6 / 1e12)
-    # above the MXU dim rows only round up to the 16-row tile: 1000 -> 1008
+    # above the push rows, rows only round up to the 16-row tile: 1000 -> 1008
     tall = Phase(0, 0, "mm", "mxu", flops=2 * 1000 * 10 ** 6, rows=1000)
     assert m.compute_time(tall) == pytest.approx(2 * 1008 * 1e6 / 1e12)
-    big = Phase(0, 0, "mm", "mxu", flops=2 * 512 * 10 ** 6, rows=512)
-    assert m.compute_time(big) == pytest.approx(2 * 512 * 1e6 / 1e12)
-    fp8 = Phase(0, 0, "mm", "mxu", flops=2 * 10 ** 6, rows=1, dtype="fp8")
-    assert m.compute_time(fp8) == pytest.approx(2 * 256 * 1e6 / 2e12)
-    vec = Phase(0, 0, "v", "vector", flops=10 ** 6, vector_bytes=10 ** 6)
-    assert m.compute_time(vec) == pytest.approx(max(1e6 / 1e10, 1e6 / 1e11))
-    col = Phase(0, 0, "c", "collective", collective_phases=3, collective_bytes=10 ** 5)
-    assert m.compute_time(col) == pytest.approx(3 * 2e-6 + 1e5 / 1e10)
-    sib = Phase(0, 0, "c", "collective", collective_phases=1, collective_bytes=10 ** 5, link="sibling")
+    fp8 = Phase(0, 0, "mm", "mxu", flops=2 * 10 ** 6, rows=1, dtype="fp8", vector_ops=10 ** 6)
+    assert m.costs(fp8) == {"mxu": pytest.approx(2 * 256 * 1e6 / 2e12), "dequant": pytest.approx(1e6 / 1e10)}
+    vec = Phase(0, 0, "v", "vector", flops=10 ** 6, vector_bytes=10 ** 6, fixed_cost="routing")
+    assert m.compute_time(vec) == pytest.approx(max(1e6 / 1e10, 1e6 / 1e11) + 7e-7)
+    col = Phase(0, 0, "c", "collective", collective_bytes=10 ** 5)
+    assert m.compute_time(col) == pytest.approx(2e-6 + 1e5 / 1e10)
+    sib = Phase(0, 0, "c", "collective", collective_bytes=10 ** 5, link="sibling")
     assert m.compute_time(sib) == pytest.approx(1e-6 + 1e5 / 1e11)
+    with pytest.raises(sim.SimError, match="no fixed cost 'topk'"):
+        m.costs(dataclasses.replace(vec, fixed_cost="topk"))
 
 
 def test_hbm_stream_writeback_and_pipelined():
     # a vector phase streaming 1 MB of state lasts max(compute, 1 ms); its 2 MB write-back drains after
     ph = [Phase(0, 0, "state", "vector", flops=int(1e8), hbm_bytes=int(1e6), writeback_bytes=int(2e6))]
-    r = sim.simulate(plan([], ph), M)
+    r = sim.simulate(HandPlan([], ph), M)
     assert r.phase_times[0][5] == pytest.approx(1 * MS)
     assert r.step_time == pytest.approx(3 * MS)
+    assert r.breakdown["write-back drain"] == pytest.approx(2 * MS)
     # pipelined (a GPU kernel): compute overlaps its own weight stream -> max(2 ms DMA, 1 ms compute)
-    dm = [dma(0, 0, 0, 2e6)]
-    r = sim.simulate(plan(dm, [mm(0, 1e9, [0], pipelined=True)]), M)
+    r = sim.simulate(HandPlan([dma(0, 0, 0, 2e6)], [mm(0, 1e9, [0], pipelined=True)]), M)
     assert r.step_time == pytest.approx(2 * MS)
 
 
-def test_routed_experts_through_slots():
-    """3 MB of experts (3 chunks of 1 MB) through 2 slots, 1 ms compute each: chunks 0, 1 land at
-    2 ms; chunk 2 is issued when chunk 0 is consumed (3 ms) and lands at 4 ms -> end at 5 ms."""
-    ph = [Phase(0, 0, "experts", "mxu", flops=int(3e9), rows=1, expert_dmas=int(3e6), expert_count=3.0,
-                expert_slots=(7, 8))]
-    r = sim.simulate(plan([], ph), M)
-    assert r.step_time == pytest.approx(5 * MS)
-    assert r.bytes_moved == pytest.approx(3e6)
-    # routing known after phase 0 (1 ms): released then, the chunks stream during phase 1 (3 ms) and
-    # land at 4 ms -> units 4-5, 5-6, 6-7 ms. Without the early release they are issued at 4 ms -> 10 ms.
-    ex = Phase(2, 0, "experts", "mxu", flops=int(3e9), rows=1, expert_dmas=int(3e6), expert_count=3.0,
-               expert_slots=(7, 8, 9))
-    ph2 = [mm(0, 1e9), mm(1, 3e9), ex]
-    assert sim.simulate(plan([], ph2), M).step_time == pytest.approx(10 * MS)
-    ph2[2] = dataclass_replace(ex, expert_issue_after=0)
-    assert sim.simulate(plan([], ph2), M).step_time == pytest.approx(7 * MS)
-    # fractional expected count: 2.5 experts -> chunks of 1, 1, 0.5 MB
-    half = Phase(0, 0, "experts", "mxu", flops=int(2.5e9), rows=1, expert_dmas=int(2.5e6), expert_count=2.5,
-                 expert_slots=(7, 8, 9))
-    r = sim.simulate(plan([], [half]), M)
-    assert sorted(round((e - s) / MS, 6) for s, e, _ in r.timeline["compute"]) == [0.5, 1, 1]
-    # expert bytes already covered by the phase's own DMAs are not fetched twice (mk.plan style)
-    own = [dma(0, 0, 0, 1e6)]
-    r = sim.simulate(plan(own, [mm(0, 1e9, [0], expert_dmas=int(1e6))]), M)
-    assert r.bytes_moved == pytest.approx(1e6)
-
-
-def dataclass_replace(obj, **kw):
-    import dataclasses
-    return dataclasses.replace(obj, **kw)
-
-
 def test_issue_after():
-    dm = [dma(0, 1, 0, issue_after=0)]
     ph = [mm(0, 3e9), mm(1, 1e9, [0])]
-    assert sim.simulate(plan(dm, ph), M).step_time == pytest.approx(5 * MS)      # 3 + 1 + 1
-    assert sim.simulate(plan([dma(0, 1, 0)], ph), M).step_time == pytest.approx(4 * MS)
+    assert sim.simulate(HandPlan([dma(0, 1, 0, issue_after=0)], ph), M).step_time == pytest.approx(5 * MS)
+    assert sim.simulate(HandPlan([dma(0, 1, 0)], ph), M).step_time == pytest.approx(4 * MS)
 
 
-def test_conventional_launch_gaps_and_no_cross_kernel_prefetch():
-    """Kernel A (1 ms compute), kernel B (1 ms weight + 1 ms compute), 0.5 ms launch gap.
-    Megakernel: the weight streams during A -> 2 ms. Conventional: 0.5 + 1 + 0.5 + 1 + 1 = 4 ms."""
-    ph = [Phase(0, 0, "a", "mxu", flops=int(1e9), rows=1, kernel="A"),
-          Phase(1, 0, "b", "mxu", flops=int(1e9), rows=1, dmas=(0,), kernel="B")]
-    p = plan([dma(0, 1, 0)], ph)
-    m = dataclass_replace(M, launch_gap=0.5 * MS)
-    assert sim.simulate(p, m, "megakernel").step_time == pytest.approx(2 * MS)
-    conv = sim.simulate(p, m, "conventional")
-    assert conv.step_time == pytest.approx(4 * MS)
-    assert conv.busy("launch") == pytest.approx(1 * MS)
+def test_per_op_launch_gaps_and_no_cross_kernel_prefetch():
+    """Kernel A (1 ms compute), kernel B (1 ms weight + 1 ms compute), a 0.5 ms gap before B.
+    One program: the weight streams during A -> 2 ms. Per op: B's weight moves only once B has
+    started (1.5 ms) and lands at 2.5 ms; B then computes its 1 ms -> 3.5 ms... the phase consumes
+    its DMA unit by unit (not pipelined here): 0 + 1 (A) + 0.5 (gap) + 1 (weight) + 1 (compute) = 3.5 ms."""
+    ph = [mm(0, 1e9, kernel="A"), mm(1, 1e9, [0], kernel="B")]
+    m = dataclasses.replace(M, launch_gap=0.5 * MS)
+    assert sim.simulate(HandPlan([dma(0, 1, 0)], [mm(0, 1e9), mm(1, 1e9, [0])]), m).step_time == pytest.approx(2 * MS)
+    conv = sim.simulate(HandPlan([dma(0, 1, 0)], ph, options=CONVENTIONAL), m)
+    assert conv.step_time == pytest.approx(3.5 * MS)
+    assert conv.breakdown["launch gap"] == pytest.approx(0.5 * MS)
+    assert [label for *_, label in conv.tracks["launch"]] == ["launch B"]
 
 
-def test_step_overhead_and_determinism():
-    p = sim.build_plan(K3, 2, system="tpu-v7x16")
-    a = sim.simulate(p, "tpu-v7x16")
-    b = sim.simulate(p, "tpu-v7x16")
-    assert a.step_time == b.step_time and a.timeline == b.timeline and a.phase_times == b.phase_times
-    assert a.overhead == pytest.approx(hw.load_microbench().get("tpu-v7", "step_fixed_overhead"))
-    assert a.step_time == pytest.approx(a.kernel_time + a.overhead)
+def test_overlapped_collective():
+    """A 1 ms collective in flight while a 0.6 ms matmul runs: the next phase starts at 1 ms."""
+    ph = [Phase(0, 0, "c", "collective", collective_bytes=int(1e6), overlap=1), mm(1, 0.6e9), mm(2, 1e9)]
+    r = sim.simulate(HandPlan([], ph), M)
+    assert r.step_time == pytest.approx(2 * MS)
+    assert r.breakdown["collective bytes"] == pytest.approx(0.4 * MS)
+    blocking = [dataclasses.replace(ph[0], overlap=0)] + ph[1:]
+    assert sim.simulate(HandPlan([], blocking), M).step_time == pytest.approx(2.6 * MS)
 
 
 def test_validation_and_deadlock_messages():
     with pytest.raises(sim.SimError, match="index is 5"):
-        sim.simulate(plan([dma(5, 0, 0)], [mm(0, 1, [5])]), M)
+        sim.simulate(HandPlan([dma(5, 0, 0)], [mm(0, 1, [5])]), M)
     with pytest.raises(sim.SimError, match="phase 3 is not a phase index"):
-        sim.simulate(plan([dma(0, 3, 0)], [mm(0, 1)]), M)
+        sim.simulate(HandPlan([dma(0, 3, 0)], [mm(0, 1)]), M)
     with pytest.raises(sim.SimError, match="lists dmas"):
-        sim.simulate(plan([dma(0, 0, 0)], [mm(0, 1, [1])]), M)
-    # w1 (for phase 0) targets the slot still held by w0, which phase 1 consumes: deadlock
-    dm = [dma(0, 1, 0), dma(1, 0, 0)]
-    with pytest.raises(sim.SimError, match="must come after|deadlock"):
-        sim.simulate(plan(dm, [mm(0, 1, [1]), mm(1, 1, [0])]), M)
+        sim.simulate(HandPlan([dma(0, 0, 0)], [mm(0, 1, [1])]), M)
     dm = [dma(0, 0, 0), dma(1, 0, 0)]           # both for phase 0, same slot: the phase needs both
     with pytest.raises(sim.SimError, match="deadlock.*slot 0 held by"):
-        sim.simulate(plan(dm, [Phase(0, 0, "x", "mxu", flops=1, rows=1, dmas=(0, 1), pipelined=True)]), M)
-    with pytest.raises(sim.SimError, match="schedule must be"):
-        sim.simulate(plan([], [mm(0, 1)]), M, "fast")
+        sim.simulate(HandPlan(dm, [Phase(0, 0, "x", "mxu", flops=1, rows=1, dmas=(0, 1), pipelined=True)]), M)
+    with pytest.raises(sim.SimError, match="expected a Machine"):
+        sim.simulate(HandPlan([], [mm(0, 1)]), 3.5)
 
 
-def test_seed_plan_structure():
-    p = sim.build_plan(K3, 1, system="tpu-v7x16")
-    assert p.layout.devices == 32
-    names = {ph.name for ph in p.phases}
-    assert {"attn_res", "kda.proj", "mla.in", "moe.router", "moe.experts", "moe.latent_up", "dense_mlp",
-            "lm_head", "attn_reduce", "moe_reduce_local"} <= names
-    weight = sum(d.bytes for d in p.dmas) + sum(ph.expert_dmas for ph in p.phases)
-    roof = sim.rl.roofline(K3, 1, system="tpu-v7x16")
-    cache_state = roof.bytes["kda_state"] + roof.bytes["mla_cache"]
-    assert weight == pytest.approx(roof.total_bytes - cache_state, rel=0.02)
-    g = sim.build_plan(K3, 1, system="gb200x16")
-    kernels = {ph.kernel for ph in g.phases}
-    assert len(kernels) == len(g.phases) > 20 * K3.layers
+def test_step_overhead_and_determinism():
+    p = sim.seed_plan(K3, 2, "tpu-v7x16")
+    a, b = (sim.simulate(p, "tpu-v7x16") for _ in range(2))
+    assert a.step_time == b.step_time and a.tracks == b.tracks and a.phase_times == b.phase_times
+    assert a.overhead == pytest.approx(hw.load_microbench().get("tpu-v7", "step_fixed_overhead"))
+    assert a.step_time == pytest.approx(a.kernel_time + a.overhead)
+    assert sum(a.breakdown.values()) == pytest.approx(a.kernel_time, rel=1e-9)
 
 
-def test_megakernel_beats_conventional_on_the_tpu_plan():
-    for b in (1, 8):
-        p = sim.build_plan(K3, b, system="tpu-v7x16")
-        mk = sim.simulate(p, "tpu-v7x16", "megakernel")
-        cv = sim.simulate(p, "tpu-v7x16", "conventional")
-        assert mk.step_time < cv.step_time
-        assert 0 < mk.roofline_fraction <= 1
+# ---- one plan type: what the kernel runs is what the simulator replays ------------------------------
+def test_kernel_plan_is_the_simulated_plan_on_mini_tp8():
+    """The kernel's plan for mini-tp8 on 8 devices (built by `mk.kernel.make_step_fn`, which packs the
+    weights for it) is a `mk.plan.Plan` and the simulator replays exactly its entries."""
+    from mk import params as params_mod
+    from mk.kernel import make_step_fn
+    from mk.sharding import default_layout
+
+    cfg = get_config("mini-tp8")
+    step_fn = make_step_fn(params_mod.init(cfg, 0), cfg, 2, mesh=8)
+    kplan = step_fn.plan
+    assert type(kplan) is Plan and kplan.options == MK and kplan.options.kernel
+    assert kplan == make_plan(cfg, 2, layout=default_layout(cfg, 8), experts=kplan.experts)
+    r = sim.simulate(kplan, "tpu-v7x16")
+    assert r.plan is kplan
+    assert r.dmas == kplan.dmas and r.phases == kplan.phases              # same entries, same order
+    assert [p.name for p in r.phases if p.kind == "collective"] == kplan.collective_sequence()
+    assert kplan.layer_collectives(1) == ("attn_out", "moe_latent", "moe_routed", "moe_out")
+    # every DMA the kernel issues was replayed, and its bytes moved
+    assert [lab for *_, lab in sorted(r.tracks["dma"]) if "#" in lab] and r.weight_bytes == sum(d.bytes for d in kplan.dmas)
 
 
-# ---- acceptance: the seed's table -------------------------------------------------------------
+def test_seed_schedule_is_a_plan_with_the_seeds_options():
+    p = sim.seed_plan(K3, 1, "tpu-v7x16")
+    assert type(p) is Plan and p.options.name == "seed" and not p.options.kernel
+    assert p.layout.devices == 32 and (p.layout.tp_attn, p.layout.ep, p.layout.tp_expert) == (32, 8, 4)
+    assert (p.expert_gu.format, p.expert_down.format) == ("fp8", "mxfp4")
+    dmas, phases = p.schedule([2] * K3.n_moe)
+    names = {ph.name for ph in phases}
+    assert {"attn_pair_exchange", "attn_reduce", "router_exchange", "latent_gather", "moe_reduce_local",
+            "moe_reduce_host", "moe_output_gather", "mla_commit", "lm_head"} <= names
+    # 8 collective phases per MoE layer at B = 1 (spec 3.8), 12 with the B = 8 recipe (token scatter)
+    per_layer = lambda ph, l: sum(x.kind == "collective" and x.layer == l for x in ph)
+    assert per_layer(phases, 5) == 8
+    assert per_layer(sim.seed_plan(K3, 8).schedule([2] * K3.n_moe)[1], 5) == 12
+    # the lookahead: layer 6's attention projections and router wait for layer 5's last expert
+    last_expert = max(ph.index for ph in phases if ph.layer == 5 and ph.name.startswith("expert["))
+    l6 = [d for d in dmas if d.layer == 6 and d.tensor in ("kda.in", "kda.o", "moe.router")]
+    assert len(l6) == 3 and all(d.issue_after == last_expert for d in l6)
+    # whole-expert slots: 4 of them, refilled in route order
+    six = p.schedule([6] * K3.n_moe)[0]
+    slots = [d.slot for d in six if d.layer == 5 and d.tensor.startswith("expert[")]
+    assert len(set(slots)) == 8 and slots[:2] == slots[8:10]              # 4 slots x (gate/up, down)
+    mk = sim.mk_plan(K3, 1, "tpu-v7x16", experts="bf16", prefetch_depth=4)
+    same = lambda lay: (lay.devices, lay.tp_attn, lay.ep, lay.tp_expert)
+    assert type(mk) is Plan and mk.options == MK and same(mk.layout) == same(p.layout)  # the seed's split
+
+
+# ---- acceptance: the seed's table, modelled without reading it ---------------------------------------
+# Modelled tokens/s of the seed's schedule (pinned: a change to the model shows here first).
+PINNED = {("tpu-v7x16", 1): 198, ("tpu-v7x16", 2): 348, ("tpu-v7x16", 4): 568, ("tpu-v7x16", 8): 860,
+          ("gb200x16", 1): 106, ("gb200x16", 2): 202, ("gb200x16", 4): 378, ("gb200x16", 8): 679}
+PUBLISHED = {("tpu-v7x16", 1): 249, ("tpu-v7x16", 2): 392, ("tpu-v7x16", 4): 515, ("tpu-v7x16", 8): 865,
+             ("gb200x16", 1): 127, ("gb200x16", 2): 227, ("gb200x16", 4): 373, ("gb200x16", 8): 636}
+# Points the model misses by more than 15% (measured ratio modelled / published in the reason).
+MISSES = {("tpu-v7x16", 1): "modelled 198 tok/s = 0.79 of 249: the MXU weight push (assumption, 256 rows) and "
+                            "8 latency-bound collective phases per layer do not overlap in the seed's schedule",
+          ("gb200x16", 1): "modelled 106 tok/s = 0.83 of 127: ~36 kernel launches per layer (vLLM's "
+                           "decomposition) at 1.3 us each plus two 10.9 us all-reduces"}
+
+
 @pytest.fixture(scope="module")
 def predictions():
-    out = {}
+    return {(s, b): sim.predict(K3, b, s, plans=("seed",)) for s in ("tpu-v7x16", "gb200x16") for b in (1, 2, 4, 8)}
+
+
+@pytest.mark.parametrize("key", sorted(PINNED))
+def test_pinned_predictions(predictions, key):
+    r = predictions[key]
+    assert r["published_tok_s"] == PUBLISHED[key]
+    assert r["seed"]["tokens_per_s"] == pytest.approx(PINNED[key], rel=0.02)
+    assert r["ratio"] == pytest.approx(r["seed"]["tokens_per_s"] / PUBLISHED[key])
+
+
+@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=MISSES[k]))
+                                 if k in MISSES else k for k in sorted(PINNED)])
+def test_seed_schedule_within_15_percent_of_published(predictions, key):
+    assert 0.85 <= predictions[key]["ratio"] <= 1.15, predictions[key]["ratio"]
+
+
+def test_tpu_over_gb200_has_the_published_sign_and_size(predictions):
+    for b in (1, 2, 4, 8):
+        modelled = predictions["tpu-v7x16", b]["predicted_tok_s"] / predictions["gb200x16", b]["predicted_tok_s"]
+        published = PUBLISHED["tpu-v7x16", b] / PUBLISHED["gb200x16", b]
+        assert modelled > 1 and modelled == pytest.approx(published, rel=0.15), (b, modelled, published)
+    assert PUBLISHED["tpu-v7x16", 8] / PUBLISHED["gb200x16", 8] == pytest.approx(1.36, abs=0.005)
+
+
+def test_the_model_never_reads_the_published_figures(monkeypatch):
+    """A constant fitted to the table would have to read it: the prediction path runs with the table
+    locked, and with its reader broken the model still runs and gives the same numbers."""
+    expect = sim.predict(K3, 1, "tpu-v7x16", plans=("seed",))["seed"]["step_time_s"]
+
+    def forbidden(*a, **k):
+        raise AssertionError("data/published.csv read on the prediction path")
+
+    monkeypatch.setattr(hw, "load_published", forbidden)
     for system in ("tpu-v7x16", "gb200x16"):
-        for b in (1, 2, 4, 8):
-            out[system, b] = sim.predict(K3, b, system, record=False)
-    return out
+        r = sim.model(K3, 1, system)
+        assert r.step_time > 0
+    assert sim.model(K3, 1, "tpu-v7x16").step_time == expect
+    assert sim.sensitivity.__doc__ and "published" in sim.sensitivity.__doc__
+    monkeypatch.undo()
+    with hw.published_locked(), pytest.raises(hw.HardwareDataError, match="prediction path"):
+        hw.published_value("tpu-v7x16", "plain", 1)
 
 
-@pytest.mark.parametrize("b,published", [(1, 249), (2, 392), (4, 515), (8, 865)])
-def test_tpu_megakernel_within_25_percent(predictions, b, published):
-    r = predictions["tpu-v7x16", b]
-    assert r["schedule"] == "megakernel" and r["published_tok_s"] == published
-    assert 0.75 <= r["megakernel"]["tokens_per_s"] / published <= 1.25, r["megakernel"]
+# ---- mk's plan ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mk_b1():
+    return sim.predict(K3, 1, "tpu-v7x16")
 
 
-@pytest.mark.parametrize("b,published", [(1, 127), (2, 227), (4, 373), (8, 636)])
-def test_gb200_conventional_within_25_percent(predictions, b, published):
-    r = predictions["gb200x16", b]
-    assert r["schedule"] == "conventional" and r["published_tok_s"] == published
-    assert 0.75 <= r["conventional"]["tokens_per_s"] / published <= 1.25, r["conventional"]
+def test_mk_plan_prediction_and_its_bubbles(mk_b1):
+    r = mk_b1
+    assert r["mk"]["schedule"] == "mk" and r["mk_plan"]["options"] == "mk" and r["mk_plan"]["kernel_executes"]
+    assert r["mk"]["dmas"] > 10 * r["seed"]["dmas"]                      # tiles through the ring
+    if r["mk_speedup"] < 1:                                               # slower: the output says why
+        cats = [c for c, _ in r["mk_bubbles_s"]]
+        assert cats and sum(v for _, v in r["mk_bubbles_s"]) >= r["mk"]["step_time_s"] - r["seed"]["step_time_s"]
+        assert cats[0] == "collective bytes"                             # 8-row messages to 31 peers
 
 
-def test_megakernel_advantage_shrinks_with_batch(predictions):
-    adv = [predictions["tpu-v7x16", b]["predicted_tok_s"] / predictions["gb200x16", b]["predicted_tok_s"]
-           for b in (1, 2, 4, 8)]
-    assert all(x > y for x, y in zip(adv, adv[1:])), adv
-    assert adv[0] > 1.3
+@pytest.mark.xfail(strict=True, reason="mk's plan on tpu-v7x16 at B = 1 is modelled at 13.5 ms (bf16 expert tiles: "
+                                        "MXFP4 is refused on 32 cores), 0.37x the seed's schedule and 3.0x its HBM "
+                                        "floor: 8-row collective messages to 31 peers cost 7.9 ms per step")
+def test_mk_plan_target_at_batch_1(mk_b1):
+    assert mk_b1["mk_speedup"] >= 1.25
+    assert mk_b1["mk"]["step_time_s"] <= 3.2e-3
+    assert mk_b1["mk_hbm_floor_ratio"] <= 1.5
 
 
-def test_bytes_and_hbm_fraction_grow_with_batch(predictions):
-    mk = [predictions["tpu-v7x16", b]["megakernel"] for b in (1, 2, 4, 8)]
-    assert [r["bytes_moved"] for r in mk] == sorted(r["bytes_moved"] for r in mk)
-    assert all(r["tokens_per_s"] <= predictions["tpu-v7x16", r["batch"]]["roofline"]["ceiling_tok_s"] for r in mk)
+def test_mk_whatifs_improve_step_by_step():
+    rows = sim.mk_whatifs(K3, 1, "tpu-v7x16")
+    assert rows[0]["name"].startswith("mk's kernel") and len(rows) >= 4
+    times = [r["step_time_s"] for r in rows]
+    assert all(b < a for a, b in zip(times, times[1:])), times
 
 
-# ---- compatibility with mk.plan and the CLI ---------------------------------------------------
-def test_replays_mk_plan_objects():
-    from mk import plan as P
-    pl = P.make_plan(get_config("mini"), 2, prefetch_depth=2, check=False)
-    r0 = sim.simulate(pl, "tpu-v7x16")
-    r1 = sim.simulate(pl, "tpu-v7x16")
-    assert r0.step_time == r1.step_time > 0
-    assert sim.simulate(pl, "tpu-v7x16", "conventional").step_time >= r0.step_time
+# ---- sensitivity ---------------------------------------------------------------------------------
+def test_sensitivity_sweeps_every_constant_and_layout():
+    rows = sim.sensitivity(K3, "gb200x16", (1, 8))
+    system = hw.get_system("gb200x16")
+    names = {r["name"] for r in rows}
+    assert {k for k, c in system.constants.items() if c.swept} <= names
+    assert sum(r["what"] == "layout" for r in rows) == len(system.alternatives) >= 2
+    for r in rows:
+        for b in (1, 8):
+            t = r["tokens_per_s"][b]
+            assert t["base"] == pytest.approx(rows[0]["tokens_per_s"][b]["base"])
+            assert t["ratio_low"] == pytest.approx(t["low"] / PUBLISHED["gb200x16", b])
+    gap = next(r for r in rows if r["name"] == "launch_gap")["tokens_per_s"][1]
+    assert gap["low"] > gap["base"] > gap["high"]                        # shorter gaps, faster steps
+    tpu = {r["name"]: r for r in sim.sensitivity(K3, "tpu-v7x16", (1,))}
+    push = tpu["mxu_push_rows"]
+    assert push["assumption"] and push["tokens_per_s"][1]["low"] > push["tokens_per_s"][1]["high"]
 
 
-def test_cli_json(capsys):
+# ---- the modelled trace --------------------------------------------------------------------------
+def test_trace_opens_with_one_track_per_engine(tmp_path):
+    from mk.trace import write_trace
+
+    r = sim.model(K3, 1, "tpu-v7x16", record=True)
+    path = write_trace(r, tmp_path / "seed.json")
+    doc = json.loads(open(path).read())
+    ev = doc["traceEvents"]
+    threads = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    for track in ("core (phase)", "MXU", "vector unit", "ICI ici", "ICI sibling"):
+        assert track in threads, threads
+    assert any(t.startswith("DMA queue") for t in threads)
+    names = {e["name"] for e in ev if e["ph"] == "X"}
+    assert {"L5:kda.in", "L5:attn_reduce", "L5:expert[0].gu", "L92:moe_output_gather"} <= names
+    assert {"L5:kda.in#0", "L6:moe.router#0"} <= names                  # DMAs, named as the plan's entries
+    x = [e for e in ev if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in x)
+    assert max(e["ts"] + e["dur"] for e in x) == pytest.approx(r.kernel_time * 1e6, rel=1e-6)
+    # events on one track never overlap (Perfetto / XProf draw them as a stack)
+    by_tid = {}
+    for e in sorted(x, key=lambda e: (e["tid"], e["ts"])):
+        prev = by_tid.get(e["tid"])
+        assert prev is None or e["ts"] >= prev - 1e-6
+        by_tid[e["tid"]] = e["ts"] + e["dur"]
+
+
+# ---- the CLI --------------------------------------------------------------------------------------
+def test_cli_json_gives_every_batch_both_plans(capsys, tmp_path):
     from mk.__main__ import main
-    assert main(["simulate", "--config", "k3", "--system", "tpu-v7x16", "--batch", "1,8", "--json"]) == 0
+    assert main(["simulate", "--config", "k3", "--system", "tpu-v7x16,gb200x16", "--batch", "1,8", "--json",
+                 "--trace", str(tmp_path / "t.json")]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["system"] == "tpu-v7x16" and [r["batch"] for r in rep["rows"]] == [1, 8]
-    row = rep["rows"][0]
-    for k in ("megakernel", "conventional", "roofline", "published_tok_s", "ratio"):
-        assert k in row
-    assert row["published_tok_s"] == 249
-    assert row["ratio"] == pytest.approx(row["megakernel"]["tokens_per_s"] / 249)
+    tpu, gpu = rep
+    assert tpu["system"] == "tpu-v7x16" and [r["batch"] for r in tpu["rows"]] == [1, 8]
+    for sysrep in rep:
+        for r in sysrep["rows"]:
+            assert r["published_tok_s"] == PUBLISHED[sysrep["system"], r["batch"]]
+            assert r["ratio"] == pytest.approx(r["seed"]["tokens_per_s"] / r["published_tok_s"])
+            assert r["roofline"]["t_hbm_s"] > 0
+    assert all("mk" in r and "mk_speedup" in r for r in tpu["rows"])
+    assert gpu["layout_assumption"] and "layout" in gpu["assumptions"]
+    assert "mxu_push_rows" in tpu["assumptions"]
+    assert (tmp_path / "t-tpu-v7x16-b1-mk.json").exists() and (tmp_path / "t-gb200x16-b8-seed.json").exists()
 
 
-def test_cli_table_and_errors(capsys):
+def test_cli_table_sensitivity_and_errors(capsys):
     from mk.__main__ import main
-    assert main(["simulate", "--system", "gb200x16", "--batch", "1"]) == 0
+    assert main(["simulate", "--system", "gb200x16", "--batch", "1", "--sensitivity"]) == 0
     out = capsys.readouterr().out
-    assert "gb200x16" in out and "conventional" in out and "127" in out
+    assert "gb200x16" in out and "ASSUMPTION" in out and "127/s" in out and "sensitivity" in out
+    assert "launch_gap" in out and "layout:" in out
     assert main(["simulate", "--system", "h100x8", "--batch", "1"]) == 2
     assert "unknown system" in capsys.readouterr().err
     assert main(["simulate", "--batch", "one"]) == 2
+    assert main(["simulate", "--batch", "16"]) == 2
+    assert main(["simulate", "--context", "500"]) == 2
+    assert "multiple of 128" in capsys.readouterr().err

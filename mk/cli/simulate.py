@@ -1,13 +1,18 @@
-"""`python -m mk simulate`: predicted K3 decode throughput next to the published figures.
+"""`python -m mk simulate`: modelled K3 decode throughput of the seed's schedule and of mk's plan.
 
-For each batch size: the step time and tokens/s of both schedules (megakernel, conventional)
-simulated on one device's share of the system (`mk.sim`), the roofline floors (`mk.roofline`),
-and the published figure with the ratio predicted / published for the schedule the published
-system ran (TPU v7: megakernel; GB200: conventional, i.e. vLLM's one-kernel-per-op stack).
+For each system and batch size, `mk.sim` replays (one device's share of the sharded step):
+  seed  the schedule behind the published figure: the seed's K3 megakernel on TPU v7 (`mk.plan.SEED`),
+        one kernel per op on GB200 (`mk.plan.CONVENTIONAL`, vLLM's decomposition), with the
+        published figure and the ratio modelled / published (the model never reads the figure);
+  mk    mk's own plan (`mk.plan.MK`: the kernel's mesh rule, MXFP4 experts, the deepest ring that
+        fits VMEM), its speed-up over the seed's schedule, its step time over its HBM floor, and
+        where it is slower, the bubbles that make it so.
+Every constant comes from data/ with a source; those that rest on an assumption are listed as such.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from mk.cli.common import positive_int
@@ -15,18 +20,23 @@ from mk.errors import UserError
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("simulate", help="predict K3 decode step time / tokens/s with the schedule simulator",
+    p = subparsers.add_parser("simulate", help="modelled K3 decode step time / tokens/s: the seed's schedule and mk's plan",
                               description=__doc__.splitlines()[0])
     p.add_argument("--config", default="k3", help="preset name or checkpoint directory (default: k3)")
     p.add_argument("--system", default="tpu-v7x16",
                    help="tpu-v7x16 | gb200x16, or both comma-separated (default: tpu-v7x16)")
-    p.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes (default: 1,2,4,8)")
+    p.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes, 1..8 (default: 1,2,4,8)")
     p.add_argument("--context", type=positive_int, default=None,
-                   help="mean attended tokens per sequence (default: 512, the benchmark's mean position)")
+                   help="mean attended tokens per sequence, a multiple of 128 (default: 512, the benchmark's mean position)")
+    p.add_argument("--plan", choices=("both", "seed", "mk"), default="both",
+                   help="which plan to model: the seed's schedule, mk's plan, or both (default)")
     p.add_argument("--mean-experts", action="store_true",
                    help="use the mean distinct experts per device instead of the slowest expert-parallel group")
     p.add_argument("--sensitivity", action="store_true",
-                   help="also show predictions under alternative measured values (latency range, expert counts, ...)")
+                   help="also sweep every constant of the seed's schedule over its stated range, and the other layouts")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="write the modelled step(s) as Chrome trace-event JSON (Perfetto / XProf); several "
+                        "(system, batch, plan) combinations go to FILE-<system>-b<B>-<plan>.json")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -36,74 +46,128 @@ def _batches(text: str) -> list[int]:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--batch: expected comma-separated integers, found {text!r}") from None
-    if not out or any(b < 1 or b > 64 for b in out):
-        raise UserError(f"--batch: batch sizes must be in 1..64, found {text!r}")
+    if not out or any(b < 1 or b > 8 for b in out):
+        raise UserError(f"--batch: batch sizes must be in 1..8 (the plan's rows), found {text!r}")
     return out
 
 
+def _trace_paths(path: str, combos: list[tuple]) -> dict[tuple, str]:
+    if len(combos) == 1:
+        return {combos[0]: path}
+    stem, ext = os.path.splitext(path)
+    return {c: f"{stem}-{c[0]}-b{c[1]}-{c[2]}{ext or '.json'}" for c in combos}
+
+
 def collect(config: str, systems: list[str], batches: list[int], context: int | None = None,
-            straggler: bool = True) -> list[dict]:
+            straggler: bool = True, plans: tuple[str, ...] = ("seed", "mk"), trace: str | None = None) -> list[dict]:
     from mk.config import get_config
-    from mk import hardware, sim
+    from mk import conventional, hardware, roofline, sim
 
     cfg = get_config(config)
     ctx = sim.DEFAULT_CONTEXT if context is None else context
-    out = []
+    if ctx % 128:
+        raise UserError(f"--context: must be a multiple of 128 (whole cache blocks), found {ctx}")
     for name in systems:
         if name not in hardware.SYSTEMS:
             raise UserError(f"--system: unknown system {name!r}; expected one of {list(hardware.SYSTEMS)}")
+    paths = _trace_paths(trace, [(s, b, p) for s in systems for b in batches for p in plans]) if trace else {}
+    out = []
+    for name in systems:
         system = hardware.get_system(name)
         rows = []
         for b in batches:
-            r = sim.predict(cfg, b, name, context=ctx, straggler=straggler)
-            rows.append({k: v for k, v in r.items() if not k.startswith("_")})
-        plan = sim.build_plan(cfg, batches[0], system=system, context=ctx, straggler=straggler)
+            r = sim.predict(cfg, b, name, context=ctx, straggler=straggler, plans=plans, record=bool(trace))
+            row = {k: v for k, v in r.items() if not k.startswith("_")}
+            if "seed" in plans:
+                roof = roofline.roofline(cfg, b, ctx, system=system, straggler=straggler,
+                                         plan=r["_results"]["seed"].plan)
+                row["roofline"] = {"t_hbm_s": roof.t_hbm, "t_compute_s": roof.t_compute,
+                                   "t_collective_s": roof.t_collective, "bound": roof.bound,
+                                   "ceiling_tok_s": roof.ceiling_tok_s, "bytes_per_device": roof.total_bytes,
+                                   "experts_per_layer": roof.experts_per_layer}
+            if "mk_bubbles_s" in row:
+                row["mk_bubbles_s"] = [{"category": c, "extra_s": v} for c, v in row["mk_bubbles_s"]]
+            for p, res in r["_results"].items():
+                if (name, b, p) in paths:
+                    from mk.trace import write_trace
+                    row.setdefault("trace", {})[p] = write_trace(res, paths[(name, b, p)])
+            rows.append(row)
         out.append({
-            "config": config, "system": name, "schedule": system.schedule, "context": ctx,
-            "straggler": straggler, "layout": getattr(plan.layout, "name", ""),
-            "device": {"dma_bw": system.dma_bw, "hbm_bw": system.hbm_bw, "bf16_flops": system.peak_flops("bf16"),
-                       "collective_latency": system.collective_latency, "launch_gap": system.launch_gap,
-                       "step_overhead": system.step_overhead},
-            "sources": dict(system.sources),
+            "config": config, "system": name, "context": ctx, "straggler": straggler,
+            "seed_schedule": ("the seed's K3 megakernel (mk.plan.SEED, spec 3.4-3.8)" if system.program == "megakernel"
+                              else "one kernel per op (mk.plan.CONVENTIONAL; mk.conventional: vLLM's decomposition)"),
+            "layout": system.setup.label(), "layout_source": system.setup.source,
+            "layout_assumption": system.setup.assumption,
+            "assumptions": system.assumptions() + (["K3-only kernels of the decomposition"]
+                                                   if system.program == "per_op" else []),
+            "decomposition": conventional.DECOMPOSITION_SOURCE if system.program == "per_op" else None,
+            "constants": {k: c.summary() for k, c in system.constants.items()},
             "rows": rows,
         })
     return out
 
 
+def _ms(s):
+    return f"{s * 1e3:6.2f} ms"
+
+
 def format_table(report: list[dict]) -> str:
     lines = []
-    for sysrep in report:
-        lines.append(f"{sysrep['system']}  ({sysrep['layout']}); published figure ran the "
-                     f"{sysrep['schedule']} schedule; context {sysrep['context']}; "
-                     f"experts per device: {'slowest EP group' if sysrep['straggler'] else 'mean'}")
-        hdr = (f"{'B':>3} | {'megakernel':>17} | {'conventional':>17} | {'floors ms: hbm / comp / coll':>29} | "
-               f"{'ceiling':>8} | {'published':>9} | {'ratio':>5}")
+    for rep in report:
+        lines.append(f"{rep['system']}: {rep['layout']}" + ("  [layout: ASSUMPTION]" if rep["layout_assumption"] else ""))
+        lines.append(f"  layout source: {rep['layout_source']}")
+        lines.append(f"  seed's schedule: {rep['seed_schedule']}; context {rep['context']}; experts per device: "
+                     f"{'slowest expert-parallel group' if rep['straggler'] else 'mean'}")
+        if rep.get("decomposition"):
+            lines.append(f"  kernel decomposition: {rep['decomposition']}")
+        hdr = (f"{'B':>3} | {'seed (modelled)':>20} | {'published':>9} | {'ratio':>5} | {'mk plan (modelled)':>20} | "
+               f"{'mk/seed':>7} | {'mk/HBM floor':>12}")
         lines.append(hdr)
         lines.append("-" * len(hdr))
-        for r in sysrep["rows"]:
-            mk, cv, rf = r["megakernel"], r["conventional"], r["roofline"]
-            pub = r["published_tok_s"]
-            lines.append(
-                f"{r['batch']:>3} | {mk['step_time_s'] * 1e3:6.2f} ms {mk['tokens_per_s']:5.0f}/s | "
-                f"{cv['step_time_s'] * 1e3:6.2f} ms {cv['tokens_per_s']:5.0f}/s | "
-                f"{rf['t_hbm_s'] * 1e3:8.2f} / {rf['t_compute_s'] * 1e3:5.3f} / {rf['t_collective_s'] * 1e3:6.2f} | "
-                f"{rf['ceiling_tok_s']:6.0f}/s | "
-                + (f"{pub:7.0f}/s | {r['ratio']:5.2f}" if pub else f"{'-':>9} | {'-':>5}"))
-        lines.append("tokens/s = batch / step time; ratio = predicted (published schedule) / published; "
-                     "ceiling = batch / max(floor)")
+        notes = []
+        for r in rep["rows"]:
+            sd, mk = r.get("seed"), r.get("mk")
+            cells = [f"{r['batch']:>3}"]
+            cells.append(f"{_ms(sd['step_time_s']) + ' ' + format(sd['tokens_per_s'], '5.0f') + '/s':>20}" if sd else f"{'-':>20}")
+            pub = r.get("published_tok_s")
+            cells.append(f"{pub:7.0f}/s" if pub else f"{'-':>9}")
+            cells.append(f"{r['ratio']:5.2f}" if sd and r.get("ratio") else f"{'-':>5}")
+            cells.append(f"{_ms(mk['step_time_s']) + ' ' + format(mk['tokens_per_s'], '5.0f') + '/s':>20}" if mk else f"{'-':>20}")
+            cells.append(f"{r['mk_speedup']:6.2f}x" if "mk_speedup" in r else f"{'-':>7}")
+            cells.append(f"{r['mk_hbm_floor_ratio']:11.2f}x" if "mk_hbm_floor_ratio" in r else f"{'-':>12}")
+            lines.append(" | ".join(cells))
+            if r.get("mk_bubbles_s"):
+                top = ", ".join(f"{x['category']} +{x['extra_s'] * 1e3:.2f} ms" for x in r["mk_bubbles_s"][:4])
+                notes.append(f"  B={r['batch']}: mk slower than the seed's schedule; bubbles: {top}")
+        plan_notes = {r["mk_plan"]["note"] for r in rep["rows"] if r.get("mk_plan", {}).get("note")}
+        notes += [f"  mk plan: {n}" for n in sorted(plan_notes)]
+        info = next((r["mk_plan"] for r in rep["rows"] if "mk_plan" in r), None)
+        if info:
+            notes.append(f"  mk plan: {info['devices']} devices (EP{info['ep']} x TP{info['tp_expert']} experts), "
+                         f"{info['experts']} experts, tiles {info['tile'][0]}x{info['tile'][1]}, prefetch depth "
+                         f"{info['prefetch_depth']} (the deepest ring that fits VMEM)")
+        lines += notes
+        lines.append("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster);"
+                     " all times modelled (mk.sim)")
+        if rep["assumptions"]:
+            lines.append(f"  assumptions (no measurement behind them): {', '.join(rep['assumptions'])}")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
 
 def format_sensitivity(system: str, rows: list[dict], batches: list[int]) -> str:
-    lines = [f"sensitivity ({system}): predicted tok/s (ratio to published)"]
-    lines.append(f"{'variant':42s} " + " ".join(f"{'B=' + str(b):>15}" for b in batches))
-    for r in rows:
+    lines = [f"sensitivity ({system}, the seed's schedule): modelled / published at each end of each range"]
+    lines.append(f"{'constant':58s} " + " ".join(f"{'B=' + str(b):>13}" for b in batches))
+    key = lambda r: -max(abs(r["tokens_per_s"][b]["high"] - r["tokens_per_s"][b]["low"]) / r["tokens_per_s"][b]["base"]
+                         for b in batches)
+    for r in sorted(rows, key=key):
         cells = []
         for b in batches:
-            c = r[b]
-            cells.append(f"{c['tokens_per_s']:7.0f} ({c['ratio']:.2f})" if c["ratio"] else f"{c['tokens_per_s']:15.0f}")
-        lines.append(f"{r['variant']:42s} " + " ".join(f"{x:>15}" for x in cells))
+            t = r["tokens_per_s"][b]
+            cells.append(f"{t['ratio_low']:.2f} .. {t['ratio_high']:.2f}" if t.get("ratio_low") else
+                         f"{t['low']:.0f} .. {t['high']:.0f}/s")
+        name = r["name"] + (" (assumption)" if r["assumption"] else "")
+        lines.append(f"{name[:58]:58s} " + " ".join(f"{c:>13}" for c in cells))
     return "\n".join(lines) + "\n"
 
 
@@ -113,16 +177,15 @@ def run(args) -> int:
 
     systems = [s.strip() for s in args.system.split(",") if s.strip()]
     batches = _batches(args.batch)
-    report = collect(args.config, systems, batches, args.context, not args.mean_experts)
+    plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
+    report = collect(args.config, systems, batches, args.context, not args.mean_experts, plans, args.trace)
     if args.sensitivity:
-        ctx = sim.DEFAULT_CONTEXT if args.context is None else args.context
         for rep in report:
-            rep["sensitivity"] = sim.sensitivity(get_config(args.config), rep["system"], batches, ctx)
+            rep["sensitivity"] = sim.sensitivity(get_config(args.config), rep["system"], batches, rep["context"])
     if args.json:
         for rep in report:
             for r in rep.get("sensitivity", ()):
-                for b in batches:
-                    r[str(b)] = r.pop(b)
+                r["tokens_per_s"] = {str(b): v for b, v in r["tokens_per_s"].items()}
         json.dump(report if len(report) > 1 else report[0], sys.stdout, indent=2, default=float)
         sys.stdout.write("\n")
     else:
