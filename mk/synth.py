@@ -24,7 +24,7 @@ from collections import Counter
 import ml_dtypes
 import numpy as np
 
-from mk.checkpoint import (BF16, CONFIG_FILE, F32, INDEX_FILE, MX_GROUP, U8, _NP_DTYPES, Entry,
+from mk.checkpoint import (BF16, CONFIG_FILE, INDEX_FILE, MX_GROUP, _NP_DTYPES, Entry,
                            _transpose_into, layout)
 from mk.config import K3Config
 

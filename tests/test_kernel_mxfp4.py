@@ -129,7 +129,7 @@ def test_scale_bytes_the_kernel_cannot_dequantize_exactly_are_refused():
 def _unpack_tiles(codes, scales, m):
     """Inverse of `pack_mxfp4_tiles` for one matrix (numpy): int32 words [T, tk/8, tn], [T, tk/128, tn]
     -> E2M1 codes u8 [k_pad, n_pad] and E8M0 bytes u8 [k_pad / 32, n_pad]."""
-    tk, tn = m.tile_k, m.tile_n
+    tn = m.tile_n
 
     def unwords(w, per, bits):                # [T, r, tn] -> [T, per * r, tn]
         w = np.asarray(w).view(np.uint32)

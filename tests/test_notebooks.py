@@ -1,12 +1,11 @@
 """The notebooks as committed (no stale outputs, a parameters cell) and the headless runner."""
-import json
 import os
 
 import nbformat
 import pytest
 
 from mk import notebook_runner
-from mk.notebook_runner import NOTEBOOK_DIR, notebooks, run_all, save_figure
+from mk.notebook_runner import notebooks, run_all, save_figure
 
 NBS = notebooks()
 

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 
 from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, on_terminal,
