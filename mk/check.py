@@ -237,3 +237,66 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     reasons = verdict(res)
     res.update(verdict="fail" if reasons else "pass", reasons=reasons, tolerances=dict(TOLERANCES))
     return res
+
+
+def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: int = 1, prompt_len: int = 100,
+                      agree: float = 0.6, seed: int = 0, ctx: int = 256, detect_races: bool = False) -> dict:
+    """Greedy speculative decoding through the kernel's verify step against plain greedy decoding.
+
+    One sequence: a random prompt of `prompt_len` tokens (prefilled by the reference), then
+    `new_tokens` tokens, k drafts per step from `mk.speculative.AgreeingDrafter`, which proposes
+    the plain greedy continuation with probability `agree` per draft (so steps of full, zero and
+    partial acceptance all occur, and every rejection rolls the KDA/conv state back by its
+    `state_row`). Plain greedy is the oracle: `mk.reference.generate`, on `mesh` devices the
+    sharded reference (`mk.reference_sharded`), which rounds as the sharded kernel does.
+    Returns {"tokens_equal", "first_difference", "acceptance", "steps", "full", "zero", "partial",
+    "positions", "crosses_mla_block", "races", "seconds", "verdict"}."""
+    from mk import params as params_mod
+    from mk import reference, speculative
+    from mk.kernel import KernelVerifier, interpret_params, on_tpu
+
+    if prompt_len + new_tokens + k + 1 > ctx:
+        raise ValueError(f"prompt_len + new_tokens + k + 1 = {prompt_len + new_tokens + k + 1} exceeds ctx {ctx}")
+    params = params_mod.init(cfg, seed)
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, (1, prompt_len), dtype=np.int32)
+    t0 = time.perf_counter()
+    interp = None if on_tpu() else interpret_params(detect_races)
+    verifier = KernelVerifier(params, cfg, 1, k, ctx=ctx, interpret=interp, mesh=mesh)
+    if mesh > 1:
+        from mk import reference_sharded as rs
+        oracle = reference.generate(rs.shard_params(params, verifier.mesh), cfg, prompt, new_tokens, ctx=ctx,
+                                    step_fn=rs.step_fn_for(cfg, verifier.mesh))["tokens"]
+    else:
+        oracle = reference.generate(params, cfg, prompt, new_tokens, ctx=ctx)["tokens"]
+    oracle = np.asarray(oracle)
+    drafter = speculative.AgreeingDrafter(np.concatenate([prompt, oracle], 1), agree=agree, seed=seed,
+                                          vocab=cfg.vocab)
+    races = 0
+
+    class Verifier:                      # counts race-detector findings step by step
+        def __getattr__(self, name):
+            return getattr(verifier, name)
+
+        def verify(self, params, cache, tokens, aux_layers=None):
+            nonlocal races
+            if not on_tpu():
+                pltpu.reset_tpu_interpret_mode_state()
+            out = jax.block_until_ready(verifier.verify(params, cache, tokens, aux_layers))
+            races += int(races_found())
+            return out
+
+    from jax.experimental.pallas import tpu as pltpu
+    res = speculative.generate(params, cfg, prompt, new_tokens, drafter, k, ctx=ctx, verifier=Verifier(),
+                               reference_prefill=True)
+    got = np.asarray(res["tokens"])
+    acc = [int(a) for a in res["acceptance"][0]]
+    diff = np.flatnonzero(got[0] != oracle[0])
+    out = {"mesh": mesh, "k": k, "new_tokens": new_tokens,
+           "tokens_equal": bool(diff.size == 0), "first_difference": int(diff[0]) if diff.size else None,
+           "acceptance": acc, "steps": len(acc), "full": sum(a == k + 1 for a in acc),
+           "zero": sum(a == 1 for a in acc), "partial": sum(1 < a <= k for a in acc),
+           "positions": [prompt_len, prompt_len + new_tokens - 1],
+           "crosses_mla_block": prompt_len // 128 != (prompt_len + new_tokens - 1) // 128,
+           "races": races, "seconds": time.perf_counter() - t0}
+    out["verdict"] = "pass" if out["tokens_equal"] and not races else "fail"
+    return out

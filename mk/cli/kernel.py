@@ -31,6 +31,13 @@ def add_parser(sub):
                    help="the kernel's routed experts: MXFP4 (the random weights quantized as `mk synth` "
                         "writes them, packed in HBM, dequantized in VMEM; the reference runs on their "
                         "dequantization) or bf16 tiles")
+    p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
+                   help="instead: greedy speculative decoding through the kernel's verify step (K drafts "
+                        "per step, a test drafter agreeing with probability --agree) against plain greedy "
+                        "decoding, for --new-tokens tokens after a --prompt-len token prompt")
+    p.add_argument("--new-tokens", type=positive_int, default=64)
+    p.add_argument("--prompt-len", type=positive_int, default=100)
+    p.add_argument("--agree", type=float, default=0.6)
     p.add_argument("--json", action="store_true")
     add_step_options(p)
     p.set_defaults(func=run_check)
@@ -119,6 +126,8 @@ def run_check(args) -> int:
     from mk.check import check
     from mk.plan import make_plan
 
+    if args.speculative:
+        return _run_check_speculative(cfg, args)
     if args.steps > args.ctx:
         raise UserError(f"--steps ({args.steps}) exceed --ctx {args.ctx}")
     kw = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
@@ -136,6 +145,28 @@ def run_check(args) -> int:
             if k not in ("per_step", "reasons", "verdict"):
                 print(f"{k:>26}: {v}")
         print(f"{'verdict':>26}: {res['verdict']}" + "".join(f"\n{'':>28}{r}" for r in res["reasons"]))
+    return 0 if res["verdict"] == "pass" else 1
+
+
+def _run_check_speculative(cfg, args) -> int:
+    from mk.check import check_speculative
+    from mk.plan import make_plan
+
+    k = args.speculative
+    if args.prompt_len + args.new_tokens + k + 1 > args.ctx:
+        raise UserError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} + k + 1 exceed --ctx {args.ctx}")
+    if not 0.0 <= args.agree <= 1.0:
+        raise UserError(f"--agree must lie in [0, 1], found {args.agree}")
+    make_plan(cfg, 1, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh), k=k)   # bad k: before any work
+    _enough_devices(args.mesh)
+    res = check_speculative(cfg, k, args.new_tokens, mesh=args.mesh or 1, prompt_len=args.prompt_len,
+                            agree=args.agree, seed=args.seed, ctx=args.ctx, detect_races=not args.no_races)
+    res["config"] = args.config
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        for key, v in res.items():
+            print(f"{key:>18}: {v}")
     return 0 if res["verdict"] == "pass" else 1
 
 
