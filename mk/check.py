@@ -253,6 +253,8 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: 
     "positions", "crosses_mla_block", "races", "seconds", "verdict"}."""
     from mk import params as params_mod
     from mk import reference, speculative
+    from jax.experimental.pallas import tpu as pltpu
+
     from mk.kernel import KernelVerifier, interpret_params, on_tpu
 
     if prompt_len + new_tokens + k + 1 > ctx:
@@ -285,7 +287,6 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: 
             races += int(races_found())
             return out
 
-    from jax.experimental.pallas import tpu as pltpu
     res = speculative.generate(params, cfg, prompt, new_tokens, drafter, k, ctx=ctx, verifier=Verifier(),
                                reference_prefill=True)
     got = np.asarray(res["tokens"])

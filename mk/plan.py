@@ -855,6 +855,11 @@ DEFAULT_PREFETCH_DEPTH = 4
 MAX_ROWS = 8   # token rows of one step (sequences x (1 + k)): one sublane tile of matmul rows
 
 
+def max_drafts(batch: int) -> int:
+    """The most draft tokens per sequence a step of `batch` sequences holds: batch x (1 + k) <= MAX_ROWS."""
+    return MAX_ROWS // batch - 1
+
+
 def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
               num_slots: int | None = None, tile: int | tuple[int, int] | None = None,
               vmem_limit: int | None = None, chip: str = "tpu7x", ctx: int = 256,
@@ -874,10 +879,10 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
         raise PlanError(f"batch must be in 1..{MAX_ROWS}, found {batch}")
     if k < 0:
         raise PlanError(f"k (draft tokens per sequence) must be >= 0, found {k}")
-    if batch * (1 + k) > MAX_ROWS:
+    if k > max_drafts(batch):
         raise PlanError(f"k = {k} drafts: a verify step of batch {batch} x (1 + k) = {batch * (1 + k)} rows "
                         f"exceeds the plan's limit of {MAX_ROWS} rows per step "
-                        f"(k <= {MAX_ROWS // batch - 1} at batch {batch})")
+                        f"(k <= {max_drafts(batch)} at batch {batch})")
     aux_layers = tuple(int(l) for l in aux_layers)
     bad = [l for l in aux_layers if not 0 < l < cfg.layers]
     if bad or len(set(aux_layers)) != len(aux_layers):

@@ -30,7 +30,7 @@ import numpy as np
 
 from mk import reference as ref
 from mk.errors import UserError
-from mk.plan import MAX_ROWS   # rows of one step (batch x (1 + k)); the kernel plan's row limit
+from mk.plan import MAX_ROWS, max_drafts   # rows of one step (batch x (1 + k)); the kernel plan's row limit
 
 
 class SpeculativeError(UserError):
@@ -40,10 +40,10 @@ class SpeculativeError(UserError):
 def check_k(k: int, batch: int = 1):
     if k < 1:
         raise SpeculativeError(f"--speculative must be at least 1 draft, found {k}")
-    if batch * (1 + k) > MAX_ROWS:
+    if k > max_drafts(batch):
         raise SpeculativeError(f"--speculative {k}: a verify step of batch {batch} x (1 + {k}) = "
                                f"{batch * (1 + k)} rows exceeds the {MAX_ROWS} rows a step allows "
-                               f"(k <= {MAX_ROWS // batch - 1} at batch {batch})")
+                               f"(k <= {max_drafts(batch)} at batch {batch})")
 
 
 def context_for(prompt_len: int, max_new_tokens: int, k: int, ctx: int | None = None) -> int:
