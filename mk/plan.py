@@ -84,15 +84,22 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def padded_bytes(shape: Sequence[int], itemsize: int) -> int:
-    """VMEM bytes of an array as Mosaic lays it out (jaxlib/mosaic infer_memref_layout): the minor
-    dim padded to 128 lanes, the second-minor to the row tile, which is 8 x packing rows (8 for
-    32-bit, 16 for 16-bit types) for arrays that tall, else the least power of two >= the rows,
-    at most 8 and at least the packing (1 for 32-bit, 2 for 16-bit)."""
-    *lead, rows, lanes = (1,) + tuple(shape) if len(shape) == 1 else tuple(shape)
+def tile_rows(rows: int, itemsize: int) -> int:
+    """Rows of the VMEM row tile Mosaic gives an array `rows` tall (jaxlib/mosaic
+    infer_memref_layout): 8 x packing (8 for 32-bit, 16 for 16-bit types) for arrays that tall,
+    else the least power of two >= rows, at most 8 and at least the packing (1 for 32-bit, 2 for
+    16-bit). Seen in the compiler's memref dump: bf16 [1, W] and [2, W] -> (2, 128) tiles, [3, W]
+    -> (4, 128), [5, W] and [8, W] -> (8, 128)."""
     packing = 4 // itemsize
-    tile = 8 * packing if rows >= 8 * packing else max(packing, min(8, 1 << (rows - 1).bit_length()))
-    return int(np.prod(lead, dtype=np.int64)) * round_up(rows, tile) * round_up(lanes, 128) * itemsize
+    return 8 * packing if rows >= 8 * packing else max(packing, min(8, 1 << (rows - 1).bit_length()))
+
+
+def padded_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """VMEM bytes of an array as Mosaic lays it out: the minor dim padded to 128 lanes, the
+    second-minor to its row tile (`tile_rows`)."""
+    *lead, rows, lanes = (1,) + tuple(shape) if len(shape) == 1 else tuple(shape)
+    return (int(np.prod(lead, dtype=np.int64)) * round_up(rows, tile_rows(rows, itemsize))
+            * round_up(lanes, 128) * itemsize)
 
 
 F32, BF16, I32 = "float32", "bfloat16", "int32"
@@ -335,8 +342,10 @@ class ScheduleOptions:
                    router replicated, the latent up-projection split by rows); 'seed': spec 3.8's
                    pattern (router halves swapped between sibling cores, paired attention output,
                    two-level reductions, latent up-projection by 1024-lane blocks + output all-gather)
-    message_rows   'tile': a message is the 8-row sublane tile even at B = 1 (mk today); 'packed':
-                   B rows, bf16 pairs packed lane-dense (the seed, spec 3.8)
+    message_rows   rows of a collective's message: 'tile': the matmul rows (the batch padded to the
+                   8-row sublane tile); 'packed': the B token rows (mk: a [B, width] bf16 buffer,
+                   which Mosaic pads to its row tile, 2 rows at B = 1; the seed, spec 3.8: bf16
+                   pairs packed lane-dense, no padding)
     recipe         'tuned': spec 3.7's batch-specific options (persistent KDA state at B <= 4, token
                    scatter at B = 8, routed reduce-scatter at B in {6, 8}); 'base': none
     mxfp4_matmul   how an MXFP4 matrix meets the MXU: 'bf16': its codes and scales rebuilt into a bf16
@@ -352,7 +361,7 @@ class ScheduleOptions:
     expert_down: str | None = None
     expert_issue: str = "routing"
     collectives: str = "merged"
-    message_rows: str = "tile"
+    message_rows: str = "packed"
     recipe: str = "base"
     mxfp4_matmul: str = "bf16"
 
@@ -374,10 +383,14 @@ class ScheduleOptions:
         if self.expert_slots and self.dma != "matrix":
             raise PlanError("ScheduleOptions: whole-expert slots move whole matrices (dma='matrix')")
 
+    # Options the kernel executes either way (every other field must be MK's).
+    KERNEL_FREE = ("message_rows",)
+
     @property
     def kernel(self) -> bool:
-        """Whether mk's kernel can execute a plan with these options (only MK's choices)."""
-        return dataclasses.replace(self, name=MK.name) == MK
+        """Whether mk's kernel can execute a plan with these options (MK's, up to `KERNEL_FREE`)."""
+        same = {f: getattr(MK, f) for f in self.KERNEL_FREE}
+        return dataclasses.replace(self, name=MK.name, **same) == MK
 
     def differences(self, other: "ScheduleOptions") -> dict[str, tuple]:
         """{field: (self's, other's)} where the two differ (the name aside)."""
@@ -420,15 +433,16 @@ class Collective:
     name: str            # embed | attn_out | dense_out | moe_latent | moe_routed | moe_out (mk)
     kind: str            # 'all_reduce' | 'all_gather' | 'exchange'
     width: int           # lanes of one rank's message
-    rows: int
+    rows: int            # token rows of the message
     devices: int
     peers: int | None = None
     link: str = "ici"
     itemsize: int = BF16_BYTES
+    wire_rows: int | None = None   # rows a DMA moves (a VMEM buffer's row tile, `tile_rows`); None: `rows`
 
     @property
     def message_bytes(self) -> int:
-        return self.rows * self.width * self.itemsize
+        return (self.wire_rows or self.rows) * self.width * self.itemsize
 
     @property
     def remote_bytes(self) -> int:
@@ -553,16 +567,21 @@ class Plan:
     @cached_property
     def collectives(self) -> dict[str, Collective]:
         """The step's collectives by name (none on one device)."""
-        c, R, N = self.config, self.rows, self.devices
+        c, M, N = self.config, self.message_rows, self.devices
         if N == 1:
             return {}
-        out = [Collective("embed", "all_reduce", c.dim, R, N),
-               Collective("attn_out", "all_reduce", c.dim, R, N),
-               Collective("dense_out", "all_reduce", c.dim, R, N),
-               Collective("moe_latent", "all_gather", self.latent_block, R, N),
-               Collective("moe_routed", "all_reduce", self.latent_padded, R, N),
-               Collective("moe_out", "all_reduce", c.dim, R, N)]
+
+        def C(name, kind, width):
+            return Collective(name, kind, width, M, N, wire_rows=round_up(M, tile_rows(M, BF16_BYTES)))
+        out = [C("embed", "all_reduce", c.dim), C("attn_out", "all_reduce", c.dim),
+               C("dense_out", "all_reduce", c.dim), C("moe_latent", "all_gather", self.latent_block),
+               C("moe_routed", "all_reduce", self.latent_padded), C("moe_out", "all_reduce", c.dim)]
         return {x.name: x for x in out}
+
+    @property
+    def message_rows(self) -> int:
+        """Rows of a collective's message (`ScheduleOptions.message_rows`): the batch, or `rows`."""
+        return self.batch if self.options.message_rows == "packed" else self.rows
 
     def layer_collectives(self, layer: int) -> tuple[str, ...]:
         """Names of the collectives of `layer` in execution order (layer L = the LM head), read off
@@ -688,7 +707,7 @@ class Plan:
         in argument order (`mk.kernel.refs` hands them to `pallas_call`)."""
         c, R, B = self.config, self.rows, self.batch
         H, D, HD, d = self.heads, c.head_dim, self.attn_width, c.dim     # this device's heads
-        N, W = self.devices, self.exchange_width
+        N, W, M = self.devices, self.exchange_width, self.message_rows
         E_pad = round_up(c.experts, 128)
         VM = lambda name, shape, dtype: Buffer(name, "vmem", shape, dtype)
         SM = lambda name, shape, dtype: Buffer(name, "smem", shape, dtype)
@@ -749,8 +768,8 @@ class Plan:
             ]
         if N > 1:   # collectives (mk.kernel.collectives): double-buffered by parity, one landing slot per rank
             b += [
-                VM("landing", (2, N, R, W), BF16),                           # [parity, source, row, lane]
-                VM("send", (2, R, W), BF16),                                 # [parity, row, lane]
+                VM("landing", (2, N, M, W), BF16),                           # [parity, source, row, lane]
+                VM("send", (2, M, W), BF16),                                 # [parity, row, lane]
                 DMA("send_sems", (2, N)),                                    # [parity, destination]
                 DMA("recv_sems", (2, N)),                                    # [parity, source]
             ]

@@ -22,19 +22,18 @@ makes the last expert's DMAs and work that fraction of a whole one.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from mk.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError, WeightDMA, round_up
 
 # Vector ops per weight of an MXFP4 matrix's in-VMEM conversion, by how it meets the MXU
 # (`ScheduleOptions.mxfp4_matmul`):
-#   'bf16': mk's kernel (mk/kernel/ring.py, counted): unpack the code nibble (shift, and), the
-#           broadcast scale (1), e2m1_to_bf16 (sign 2, exponent field 2, mantissa 1, exponent 5,
-#           magnitude 8, sign bit 2, f32 -> bf16 1) and the store (1): 24;
+#   'bf16': mk's kernel (mk/kernel/ring.py, counted): the code's shift into bits 28-31 (1), the
+#           broadcast scale bits (1), e2m1_to_bf16 (11: the (e, m) field 2, the exponent add 1,
+#           normal / zero compares 2 and selects 2, the sign 2, f32 -> bf16 1) and the store (1): 14;
 #   'fp8':  the seed (spec 3.5): a bitcast and one fp4 -> fp8 conversion per weight, the E8M0 group
 #           scales applied to [B, T/32, N] partial products (per group, not per weight): 1.
-DEQUANT_OPS = {"bf16": 24, "fp8": 1}
+DEQUANT_OPS = {"bf16": 14, "fp8": 1}
 
 
 def _mix_flops(cfg, rows: int, n_blocks: int) -> int:
@@ -156,8 +155,6 @@ def schedule(plan, distinct_experts: list[float]):
         if N == 1:                                              # one device: nothing to exchange
             return None
         x = colls[name]
-        if o.message_rows == "packed" and not seed:
-            x = dataclasses.replace(x, rows=B)
         return b.phase(l, name, "collective", collective_bytes=x.remote_bytes, link=x.link, overlap=overlap)
 
     def matmul(l, m: Matrix, tensor=None, scale=1.0, after=-1, rows=B, **kw):

@@ -653,7 +653,6 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
 # (`mk_whatifs`): what each would buy. Only the first is what the kernel executes today.
 MK_WHATIFS = (
     ("mk's kernel today (mk.plan.MK)", {}),
-    ("+ collective messages packed to B rows (bf16 lane-dense, as the seed)", {"message_rows": "packed"}),
     ("+ 256 x 512 tiles (narrow matrices padded less)", {"tile": (256, 512)}),
     ("+ the seed's FP8 gate/up, MXFP4 down on the fp8 MXU path", {"expert_gate_up": "fp8", "expert_down": "mxfp4",
                                                                  "mxfp4_matmul": "fp8"}),

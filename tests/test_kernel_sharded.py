@@ -18,6 +18,8 @@ ulp of each array's scale with bf16 experts (its max |value|; measured worst: ml
 0.54, conv_state 0.06, the fp32 KDA state 0); with MXFP4 experts on 8 devices mla_v reaches 1.5
 (first difference: one element of the layer-3 AttnRes mix, inputs bit-equal; not yet found).
 """
+import dataclasses
+
 import pytest
 
 from mk import params as params_mod
@@ -101,6 +103,26 @@ def test_plan_collectives_are_the_kernels():
     assert plan.remote_bytes_per_step == sum(p.collective_bytes for p in plan.phases if p.kind == "collective")
     one = make_plan(cfg, 1)
     assert one.collectives_per_step == 0 and not any(p.kind == "collective" for p in one.phases)
+
+
+@pytest.mark.parametrize("batch,wire_rows", [(1, 2), (3, 4), (4, 4), (6, 8), (8, 8)])
+def test_messages_carry_the_token_rows(batch, wire_rows):
+    """A message is the step's B token rows in a [B, width] buffer (Mosaic's row tile: 2, 4 or 8
+    rows), not the 8-row matmul tile; the plan counts the tile rows, the kernel's buffers are B rows."""
+    from mk.plan import MK, make_plan
+    from mk.sharding import default_layout
+
+    cfg = get_config("mini-tp8")
+    layout = default_layout(cfg, 8)
+    plan = make_plan(cfg, batch, layout=layout)
+    tile = make_plan(cfg, batch, layout=layout, options=dataclasses.replace(MK, message_rows="tile"))
+    assert plan.options.kernel and tile.options.kernel                # the kernel runs either
+    x = plan.collectives["attn_out"]
+    assert (x.rows, x.message_bytes) == (batch, wire_rows * cfg.dim * 2)
+    assert tile.collectives["attn_out"].message_bytes == 8 * cfg.dim * 2
+    assert plan.remote_bytes_per_step * 8 == tile.remote_bytes_per_step * wire_rows
+    buf = {b.name: b for b in plan.buffers}
+    assert buf["landing"].shape == (2, 8, batch, plan.exchange_width) and buf["send"].shape == (2, batch, plan.exchange_width)
 
 
 def test_layout_rule_and_bad_meshes():

@@ -321,12 +321,12 @@ def test_mk_plan_prediction_and_its_bubbles(mk_b1):
     if r["mk_speedup"] < 1:                                               # slower: the output says why
         cats = [c for c, _ in r["mk_bubbles_s"]]
         assert cats and sum(v for _, v in r["mk_bubbles_s"]) >= r["mk"]["step_time_s"] - r["seed"]["step_time_s"]
-        assert cats[0] == "collective bytes"                             # 8-row messages to 31 peers
+        assert cats[0] == "dequant"                                      # 14 vector ops per MXFP4 weight
 
 
-@pytest.mark.xfail(strict=True, reason="mk's plan on tpu-v7x16 at B = 1 is modelled at 18.4 ms (MXFP4 experts), "
-                                        "0.28x the seed's schedule and 6.4x its HBM floor: 8-row collective messages "
-                                        "to 31 peers (+7.6 ms) and the in-VMEM MXFP4 dequant (+5.4 ms)")
+@pytest.mark.xfail(strict=True, reason="mk's plan on tpu-v7x16 at B = 1 is modelled at 10.2 ms (MXFP4 experts), "
+                                        "0.50x the seed's schedule and 3.6x its HBM floor: the in-VMEM MXFP4 dequant "
+                                        "(+3.1 ms), MXU weight push (+1.7 ms), collective bytes (+1.7 ms)")
 def test_mk_plan_target_at_batch_1(mk_b1):
     assert mk_b1["mk_speedup"] >= 1.25
     assert mk_b1["mk"]["step_time_s"] <= 3.2e-3
@@ -335,7 +335,7 @@ def test_mk_plan_target_at_batch_1(mk_b1):
 
 def test_mk_whatifs_improve_step_by_step():
     rows = sim.mk_whatifs(K3, 1, "tpu-v7x16")
-    assert rows[0]["name"].startswith("mk's kernel") and len(rows) >= 4
+    assert rows[0]["name"].startswith("mk's kernel") and len(rows) >= 3
     times = [r["step_time_s"] for r in rows]
     assert all(b < a for a, b in zip(times, times[1:])), times
 

@@ -22,6 +22,11 @@ collective count mod 2) keeps its writes out of the slots a slow rank still read
 has its own send and receive semaphore. Landing buffers are kernel scratch, so the step opens
 with a barrier (`barrier`): nobody sends into a peer that is still inside the previous step.
 
+A message carries the step's B token rows only (`Plan.message_rows`), not the padding rows of
+the 8-row matmul tile: a [B, width] bf16 buffer, which Mosaic pads to its row tile (2 rows at
+B = 1, 4 at B = 3 or 4, 8 above), so a B = 1 message moves a quarter of the tile's bytes. The
+receiver pads the result back to the matmul's rows with zeros.
+
 One round (N - 1 messages of B rows) trades bandwidth for latency: decode messages are a few
 KiB, where the fixed cost of a hop dominates (compare the seed's two-level exchange, spec 3.8).
 Not handled: topologies where some peers are unreachable by direct remote copy.
@@ -89,25 +94,34 @@ class Exchange:
                 self._copy(p, self.me).wait_send()    # our send buffer may be reused
 
     def messages(self) -> list[jax.Array]:
-        """The N messages, in rank order: [rows, width] bf16 each."""
+        """The N messages, in rank order: [M, width] bf16 each (M = `Plan.message_rows`)."""
         return [self.refs.landing[self.par, j, :, pl.ds(0, self.width)] for j in range(self.plan.devices)]
 
 
 def _exchange(k, name: str, x: jax.Array) -> list[jax.Array]:
+    """x [R, w] -> the N ranks' messages bf16(x[:M]), [M, w] bf16 each, in rank order."""
     coll = k.plan.collectives[name]
     if x.shape[-1] != coll.width:
         raise ValueError(f"collective {name}: message of {x.shape[-1]} lanes, plan says {coll.width}")
     ring = k.ring
     with jax.named_scope(f"collective_{name}"):
         ex = Exchange(k.plan, k.refs, ring.c["coll"] % 2, coll.width)
-        ex.start(bf(x))
+        ex.start(bf(x[:coll.rows]))
         ex.wait()
         ring.c = dict(ring.c, coll=ring.c["coll"] + 1)
         return ex.messages()
 
 
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """[M, w] -> [rows, w]: zero rows below the message's M token rows."""
+    if x.shape[0] == rows:
+        return x
+    return jnp.concatenate([x, jnp.zeros((rows - x.shape[0], x.shape[1]), x.dtype)], axis=0)
+
+
 def all_reduce(k, name: str, partial: jax.Array) -> jax.Array:
-    """partial [R, w] f32 -> sum over ranks of bf16(partial), fp32 in rank order: [R, w] f32.
+    """partial [R, w] f32 -> sum over ranks of bf16(partial), fp32 in rank order: [R, w] f32
+    (rows past the message's token rows are zero).
 
     On one device this is f32(bf16(partial)): the same rounding point, no communication."""
     if k.plan.devices == 1:
@@ -116,11 +130,12 @@ def all_reduce(k, name: str, partial: jax.Array) -> jax.Array:
     acc = f32(msgs[0])
     for m in msgs[1:]:
         acc = acc + f32(m)
-    return acc
+    return _pad_rows(acc, partial.shape[0])
 
 
 def all_gather(k, name: str, x: jax.Array) -> jax.Array:
-    """x [R, w] bf16 (this rank's block) -> [R, N * w] bf16, blocks in rank order."""
+    """x [R, w] bf16 (this rank's block) -> [R, N * w] bf16, blocks in rank order (rows past the
+    message's token rows are zero)."""
     if k.plan.devices == 1:
         return x
-    return jnp.concatenate(_exchange(k, name, x), axis=-1)
+    return _pad_rows(jnp.concatenate(_exchange(k, name, x), axis=-1), x.shape[0])

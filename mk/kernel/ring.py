@@ -31,21 +31,26 @@ from mk.layers.common import K_CHUNK
 from mk.plan import CODES_PER_WORD, MX_GROUP, SCALES_PER_WORD, Matrix, Plan
 
 
-def e2m1_to_bf16(code, scale):
-    """Exact MXFP4 dequantization with integer ops: code int32 [r, n] (E2M1, 0..15: bit 3 sign,
-    bits 1-2 exponent e, bit 0 mantissa m), scale int32 [1 or r, n] (E8M0 byte s, 2..252, see
-    `mk.plan.KERNEL_SCALE_RANGE`) -> bf16 [r, n] = value(code) * 2^(s - 127).
+SIGN_BIT = -2 ** 31            # bit 31 of an int32
+MAG_BITS = 7 << 22          # e (2 bits) and m of an E2M1 code, placed at fp32 bits 22-24
+NORMAL = 2 << 22            # codes with e >= 1
 
-    E2M1 magnitudes are 2^(e-1) * (1 + m/2) for e >= 1 and m/2 for e = 0, so the product is
-    assembled as an fp32 bit pattern: biased exponent e - 1 + s (or s - 1 for 0.5, nothing for 0),
-    mantissa bit m at bit 22. The pattern has no bits below bit 16, so the cast to bf16 is exact."""
-    sign = jax.lax.shift_right_logical(code, 3) & 1
-    e = jax.lax.shift_right_logical(code, 1) & 3
-    m = code & 1
-    exponent = jnp.where(e == 0, scale - 1, e - 1 + scale)
-    magnitude = jnp.where((e | m) == 0, 0, (exponent << 23) | jnp.where(e == 0, 0, m << 22))
-    bits = magnitude | (sign << 31)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+
+def e2m1_to_bf16(t, scale_bits):
+    """Exact MXFP4 dequantization with integer ops -> bf16 [r, n].
+
+    t: int32 [r, n] whose bits 28-31 are an E2M1 code (bit 31 sign, 29-30 exponent e, 28 mantissa
+    m; lower bits are ignored, so a word of 8 codes shifted left serves as is). scale_bits: int32
+    [1 or r, n], (s - 1) << 23 for the E8M0 byte s (2..252, `mk.plan.KERNEL_SCALE_RANGE`).
+
+    E2M1 magnitudes are 2^(e-1) * (1 + m/2) for e >= 1 and m/2 for e = 0, so value * 2^(s-127) is
+    an fp32 bit pattern: for e >= 1, biased exponent e - 1 + s and mantissa bit m at bit 22, which
+    is (e, m) at bits 22-24 plus (s - 1) << 23; for 0.5 the exponent s - 1 alone; for 0 nothing.
+    No bits below bit 16, so the cast to bf16 is exact. Per weight: shift, shift, and (the (e, m)
+    field), add, compare, compare, two selects, and + or (the sign), cast: 11 vector ops."""
+    mag = jax.lax.shift_right_logical(t, 6) & MAG_BITS
+    bits = jnp.where(mag >= NORMAL, mag + scale_bits, jnp.where(mag == 0, 0, scale_bits))
+    return jax.lax.bitcast_convert_type(bits | (t & SIGN_BIT), jnp.float32).astype(jnp.bfloat16)
 
 
 def dequantize_tile(codes, scales, out, m: Matrix):
@@ -53,17 +58,18 @@ def dequantize_tile(codes, scales, out, m: Matrix):
     layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref.
 
     Whole-tile vector ops (few primitives: interpret mode runs each one separately): code j of
-    every word is row block j, scale byte j of every word is row-group block j; each group's
-    scale row is broadcast over its 32 rows."""
+    every word is row block j (the word shifted left by 28 - 4j puts it in bits 28-31); scale byte
+    j of every word is row-group block j, turned into exponent bits once per group and broadcast
+    over its 32 rows."""
     tk, tn = m.tile_k, m.tile_n
     words = codes[...]
-    code = jnp.concatenate([jax.lax.shift_right_logical(words, 4 * j) & 15 for j in range(CODES_PER_WORD)],
-                           axis=0)                                                  # [tk, tn]
+    t = jnp.concatenate([words << (28 - 4 * j) for j in range(CODES_PER_WORD)], axis=0)   # [tk, tn]
     s_words = scales[...]
     group = jnp.concatenate([jax.lax.shift_right_logical(s_words, 8 * j) & 255 for j in range(SCALES_PER_WORD)],
                             axis=0)                                                 # [tk / 32, tn]
-    scale = jnp.broadcast_to(group[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
-    out[...] = e2m1_to_bf16(code, scale)
+    scale_bits = (group - 1) << 23
+    scale_bits = jnp.broadcast_to(scale_bits[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
+    out[...] = e2m1_to_bf16(t, scale_bits)
 
 
 class WeightRing:
