@@ -8,6 +8,7 @@ every way a result falls outside the tolerances below (`result["verdict"]` is "p
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk.config import K3Config
+from mk.plan import MK
 
 # ---- the tolerances: the one place they are stated (tests/test_kernel.py imports them) ----------
 # Logits are fp32 but depend on hundreds of bf16 roundings; the kernel keeps the reference's
@@ -123,14 +125,15 @@ def bf16_scale_ulp(x) -> float:
 def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | None = None, *,
           seed: int = 0, ctx: int = 256, detect_races: bool = True, dma_execution_mode: str = "on_wait",
           params=None, prompt_len: int = 3, progress: bool = False, mesh: int = 1,
-          experts: str | None = None) -> dict:
+          experts: str | None = None, all_reduce: str = "one_round") -> dict:
     """mesh > 1: the sharded kernel on `mesh` devices against the sharded reference
     (`mk.reference_sharded`) on the same mesh, which rounds its partial sums the same way.
 
     experts: the kernel's routed-expert format. "mxfp4": packed E2M1 + E8M0 (params from
     `mk.checkpoint.load(..., experts="mxfp4")`, or `mk.params.init` quantized as `mk synth` writes
     it); the reference runs on their dequantization (`mk.checkpoint.dequantize_experts`), the
-    oracle. "bf16": bf16 expert tiles. Default: the format `params` holds (bf16 for init params)."""
+    oracle. "bf16": bf16 expert tiles. Default: the format `params` holds (bf16 for init params).
+    all_reduce: the kernel's all-reduce rounds (`mk.plan.ScheduleOptions.all_reduce`)."""
     from mk import params as params_mod
     from mk import reference
     from mk.kernel import interpret_params, make_step_fn, on_tpu
@@ -145,7 +148,9 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         from mk.synth import mxfp4_params
         params = mxfp4_params(cfg, seed, params)[0]
     interp = None if on_tpu() else interpret_params(detect_races, dma_execution_mode)
-    kw = {"experts": experts} if prefetch_depth is None else {"prefetch_depth": prefetch_depth, "experts": experts}
+    kw = {"experts": experts, "options": dataclasses.replace(MK, all_reduce=all_reduce)}
+    if prefetch_depth is not None:
+        kw["prefetch_depth"] = prefetch_depth
     step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, mesh=mesh, **kw)
     plan = step_fn.plan
     params = dequantize_experts(params)          # the reference's weights: bf16 (the oracle)
@@ -228,7 +233,8 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         "cache_max_abs_err_by_array": cache_by_array, "cache_max_bf16_ulps_by_array": cache_ulps,
         "cache_scale_ulp": cache_ulp,
         "replicated_bit_identical": not replicated_diff, "replicated_diff": replicated_diff,
-        "devices": plan.devices, "collectives_per_step": plan.collectives_per_step,
+        "devices": plan.devices, "all_reduce": plan.options.all_reduce,
+        "collectives_per_step": plan.collectives_per_step,
         "remote_bytes_per_step": plan.remote_bytes_per_step, "races": races, "nan": bool(nan_arrays),
         "nan_arrays": nan_arrays, "pallas_calls_per_step": n_calls, "dma_execution_mode": dma_execution_mode,
         "detect_races": detect_races, "mode": "compiled (TPU)" if on_tpu() else "TPU interpret mode (CPU)",

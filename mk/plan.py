@@ -346,10 +346,13 @@ class ScheduleOptions:
                    8-row sublane tile); 'packed': the B token rows (mk: a [B, width] bf16 buffer,
                    which Mosaic pads to its row tile, 2 rows at B = 1; the seed, spec 3.8: bf16
                    pairs packed lane-dense, no padding)
+    all_reduce     rounds of mk's all-reduces: 'one_round': every rank sends its whole message to
+                   every peer; 'two_round': a reduce-scatter then an all-gather of the reduced
+                   chunks (fewer bytes, two hops; `mk.kernel.collectives.all_reduce`)
     recipe         'tuned': spec 3.7's batch-specific options (persistent KDA state at B <= 4, token
                    scatter at B = 8, routed reduce-scatter at B in {6, 8}); 'base': none
-    mxfp4_matmul   how an MXFP4 matrix meets the MXU: 'bf16': its codes and scales rebuilt into a bf16
-                   tile by integer vector ops in VMEM (mk's kernel, `mk.kernel.ring.e2m1_to_bf16`);
+    mxfp4_matmul   how an MXFP4 matrix meets the MXU: 'bf16': its codes converted to bf16 and scaled
+                   into a bf16 tile in VMEM (mk's kernel, `mk.kernel.ring.dequantize_tile`);
                    'fp8': bitcast to fp4, converted to fp8, block-diagonal LHS (the seed, spec 3.5)
     """
     name: str = "custom"
@@ -362,12 +365,13 @@ class ScheduleOptions:
     expert_issue: str = "routing"
     collectives: str = "merged"
     message_rows: str = "packed"
+    all_reduce: str = "one_round"
     recipe: str = "base"
     mxfp4_matmul: str = "bf16"
 
     CHOICES = {"program": ("megakernel", "per_op"), "dma": ("tile", "matrix"), "prefetch": ("ring", "lookahead"),
                "expert_issue": ("routing", "selection"), "collectives": ("merged", "seed"),
-               "message_rows": ("tile", "packed"), "recipe": ("base", "tuned"), "mxfp4_matmul": ("bf16", "fp8")}
+               "message_rows": ("tile", "packed"), "all_reduce": ("one_round", "two_round"), "recipe": ("base", "tuned"), "mxfp4_matmul": ("bf16", "fp8")}
 
     def __post_init__(self):
         for f, allowed in self.CHOICES.items():
@@ -384,7 +388,7 @@ class ScheduleOptions:
             raise PlanError("ScheduleOptions: whole-expert slots move whole matrices (dma='matrix')")
 
     # Options the kernel executes either way (every other field must be MK's).
-    KERNEL_FREE = ("message_rows",)
+    KERNEL_FREE = ("message_rows", "all_reduce")
 
     @property
     def kernel(self) -> bool:
@@ -439,15 +443,18 @@ class Collective:
     link: str = "ici"
     itemsize: int = BF16_BYTES
     wire_rows: int | None = None   # rows a DMA moves (a VMEM buffer's row tile, `tile_rows`); None: `rows`
+    rounds: int = 1      # an all-reduce in 2: reduce-scatter of `chunk`-lane parts, all-gather of them
+    chunk: int = 0       # lanes of one rank's part in a two-round all-reduce
 
     @property
     def message_bytes(self) -> int:
-        return (self.wire_rows or self.rows) * self.width * self.itemsize
+        """Bytes of one message of a round (a chunk in a two-round all-reduce)."""
+        return (self.wire_rows or self.rows) * (self.chunk or self.width) * self.itemsize
 
     @property
     def remote_bytes(self) -> int:
-        """Bytes one rank sends (and receives) for this collective."""
-        return (self.devices - 1 if self.peers is None else self.peers) * self.message_bytes
+        """Bytes one rank sends (and receives) for this collective, all rounds."""
+        return self.rounds * (self.devices - 1 if self.peers is None else self.peers) * self.message_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,7 +579,9 @@ class Plan:
             return {}
 
         def C(name, kind, width):
-            return Collective(name, kind, width, M, N, wire_rows=round_up(M, tile_rows(M, BF16_BYTES)))
+            two = kind == "all_reduce" and self.options.all_reduce == "two_round"
+            return Collective(name, kind, width, M, N, wire_rows=round_up(M, tile_rows(M, BF16_BYTES)),
+                              rounds=2 if two else 1, chunk=round_up(-(-width // N), 128) if two else 0)
         out = [C("embed", "all_reduce", c.dim), C("attn_out", "all_reduce", c.dim),
                C("dense_out", "all_reduce", c.dim), C("moe_latent", "all_gather", self.latent_block),
                C("moe_routed", "all_reduce", self.latent_padded), C("moe_out", "all_reduce", c.dim)]
@@ -599,12 +608,12 @@ class Plan:
 
     @property
     def remote_bytes_per_step(self) -> int:
-        return sum(self.collectives[n].remote_bytes for n in self.collective_sequence())
+        return sum(p.collective_bytes for p in self.phases if p.kind == "collective")
 
     @property
     def exchange_width(self) -> int:
-        """Lanes of the widest collective message (the landing buffers' width)."""
-        return max((x.width for x in self.collectives.values()), default=128)
+        """Lanes of the widest collective message, or of N chunks (the send / landing buffers' width)."""
+        return max((max(x.width, self.devices * x.chunk) for x in self.collectives.values()), default=128)
 
     # ---- shapes the kernel allocates --------------------------------------------------------
     @property
@@ -1207,7 +1216,11 @@ def mxfp4_codes_kn(packed: np.ndarray) -> np.ndarray:
 
 def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int) -> tuple[np.ndarray, np.ndarray]:
     """codes u8 [..., k_pad, n_pad] (values 0..15), scales u8 [..., k_pad / 32, n_pad] -> the
-    stream-ordered tiles: (codes int32 [..., T, tk / 8, tn], scales int32 [..., T, tk / 128, tn])."""
+    stream-ordered tiles: (codes int32 [..., T, tk / 8, tn], scales int32 [..., T, tk / 128, tn]).
+
+    Code words hold tile rows 8w .. 8w + 7 of a column, row 8w + j in bits 4j .. 4j + 3 (spec 2.3's
+    kernel layout, the order in which `pltpu.bitcast` unpacks an int32 [r, n] into E2M1 [8r, n]);
+    scale byte j of word w is row-group block j (group j * tk / 128 + w)."""
     *lead, kp, npad = codes.shape
     kt, nt = kp // tk, npad // tn
 
@@ -1216,15 +1229,20 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int) ->
         x = np.moveaxis(x, -2, -4)          # [..., nt, kt, rows, tn]
         return x.reshape(*lead, nt * kt, rows, tn)
 
-    def words(x, per, bits):                # [..., T, per * r, tn] -> [..., T, r, tn] int32
-        x = x.reshape(*x.shape[:-2], per, x.shape[-2] // per, tn).astype(np.uint32)
+    def words(x, per, bits, interleaved):   # [..., T, per * r, tn] -> [..., T, r, tn] int32
+        r = x.shape[-2] // per
+        if interleaved:                     # part j of word w: row per * w + j
+            x = np.moveaxis(x.reshape(*x.shape[:-2], r, per, tn), -2, -3)
+        else:                               # part j of word w: row j * r + w
+            x = x.reshape(*x.shape[:-2], per, r, tn)
+        x = x.astype(np.uint32)
         w = np.zeros(x.shape[:-3] + x.shape[-2:], np.uint32)
         for j in range(per):
             w |= x[..., j, :, :] << np.uint32(bits * j)
         return w.view(np.int32)
 
-    return (words(tiles(codes, tk), CODES_PER_WORD, 4),
-            words(tiles(scales, tk // MX_GROUP), SCALES_PER_WORD, 8))
+    return (words(tiles(codes, tk), CODES_PER_WORD, 4, True),
+            words(tiles(scales, tk // MX_GROUP), SCALES_PER_WORD, 8, False))
 
 
 def check_kernel_scales(scale: np.ndarray, what: str):

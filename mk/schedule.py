@@ -28,12 +28,12 @@ from mk.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError, Weight
 
 # Vector ops per weight of an MXFP4 matrix's in-VMEM conversion, by how it meets the MXU
 # (`ScheduleOptions.mxfp4_matmul`):
-#   'bf16': mk's kernel (mk/kernel/ring.py, counted): the code's shift into bits 28-31 (1), the
-#           broadcast scale bits (1), e2m1_to_bf16 (11: the (e, m) field 2, the exponent add 1,
-#           normal / zero compares 2 and selects 2, the sign 2, f32 -> bf16 1) and the store (1): 14;
+#   'bf16': mk's kernel (mk/kernel/ring.py `dequantize_tile`, counted): the E2M1 -> bf16
+#           conversion of the bitcast words (1), the broadcast scale (1), the multiply (1) and the
+#           store (1): 4;
 #   'fp8':  the seed (spec 3.5): a bitcast and one fp4 -> fp8 conversion per weight, the E8M0 group
 #           scales applied to [B, T/32, N] partial products (per group, not per weight): 1.
-DEQUANT_OPS = {"bf16": 14, "fp8": 1}
+DEQUANT_OPS = {"bf16": 4, "fp8": 1}
 
 
 def _mix_flops(cfg, rows: int, n_blocks: int) -> int:
@@ -155,6 +155,10 @@ def schedule(plan, distinct_experts: list[float]):
         if N == 1:                                              # one device: nothing to exchange
             return None
         x = colls[name]
+        if x.rounds == 2:                                       # reduce-scatter, then all-gather
+            b.phase(l, f"{name}.scatter", "collective", collective_bytes=x.remote_bytes // 2, link=x.link)
+            return b.phase(l, f"{name}.gather", "collective", collective_bytes=x.remote_bytes // 2, link=x.link,
+                           overlap=overlap)
         return b.phase(l, name, "collective", collective_bytes=x.remote_bytes, link=x.link, overlap=overlap)
 
     def matmul(l, m: Matrix, tensor=None, scale=1.0, after=-1, rows=B, **kw):

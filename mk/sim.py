@@ -632,18 +632,27 @@ def mk_plan(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAUL
 
 def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT) -> tuple[Plan, dict]:
     """`mk_plan` with MXFP4 experts, or with bf16 expert tiles where `make_plan` refuses MXFP4 for the
-    layout (then `info["note"]` says why); `info` describes the plan."""
-    note = ""
+    layout (then `info["note"]` says why), and with the all-reduce rounds (one or two, both run by
+    the kernel) that the model finds faster for this batch; `info` describes the plan."""
+    note, experts = "", "mxfp4"
     try:
-        plan = mk_plan(cfg, batch, system, context)
+        mk_plan(cfg, batch, system, context)
     except planlib.PlanError as e:
         if "MXFP4" not in str(e):
             raise
-        plan = mk_plan(cfg, batch, system, context, experts="bf16")
+        experts = "bf16"
         note = f"MXFP4 experts refused for this layout ({e}); modelled with bf16 expert tiles"
+    s = _system(system)
+    plans = [mk_plan(cfg, batch, s, context, experts=experts, options=dataclasses.replace(MK, all_reduce=a))
+             for a in ScheduleOptions.CHOICES["all_reduce"]]
+    step = {p.options.all_reduce: simulate(p, Machine.from_system(s),
+                                           distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time
+            for p in plans}
+    plan = min(plans, key=lambda p: step[p.options.all_reduce])
     info = {"options": plan.options.name, "experts": plan.experts, "prefetch_depth": plan.prefetch_depth,
             "tile": [plan.tile_k, plan.tile_n], "devices": plan.devices, "ep": plan.layout.ep,
-            "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel}
+            "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel,
+            "all_reduce": plan.options.all_reduce, "all_reduce_step_s": step}
     if note:
         info["note"] = note
     return plan, info

@@ -131,16 +131,17 @@ def _unpack_tiles(codes, scales, m):
     -> E2M1 codes u8 [k_pad, n_pad] and E8M0 bytes u8 [k_pad / 32, n_pad]."""
     tn = m.tile_n
 
-    def unwords(w, per, bits):                # [T, r, tn] -> [T, per * r, tn]
+    def unwords(w, per, bits, interleaved):   # [T, r, tn] -> [T, per * r, tn]
         w = np.asarray(w).view(np.uint32)
-        return np.concatenate([(w >> np.uint32(bits * j)) & np.uint32((1 << bits) - 1) for j in range(per)],
-                              axis=1).astype(np.uint8)
+        parts = np.stack([(w >> np.uint32(bits * j)) & np.uint32((1 << bits) - 1) for j in range(per)],
+                         axis=2 if interleaved else 1)          # row per * w + j, or j * r + w
+        return parts.reshape(w.shape[0], per * w.shape[1], w.shape[2]).astype(np.uint8)
 
     def untile(x):                            # [nt * kt, rows, tn] (column block major) -> [kt * rows, nt * tn]
         x = x.reshape(m.n_tiles, m.k_tiles, x.shape[1], tn)
         return x.transpose(1, 2, 0, 3).reshape(m.k_tiles * x.shape[2], m.n_tiles * tn)
 
-    return untile(unwords(codes, 8, 4)), untile(unwords(scales, 4, 8))
+    return untile(unwords(codes, 8, 4, True)), untile(unwords(scales, 4, 8, False))
 
 
 def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():

@@ -54,21 +54,27 @@ def _assert_close(res):
     assert res["replicated_bit_identical"] and not res["replicated_diff"], res["replicated_diff"]
 
 
-# (devices, batch, steps, DMA mode): batch 1, 2, 4 and 8, both DMA modes, 8, 4 and 2 devices.
-# Sized for interpret mode: every collective is 7 remote DMAs per device on 8 devices, ~4 ms each.
-# On 8 devices the routed experts are MXFP4 (packed, dequantized in VMEM; the reference runs on
-# their dequantization), on 4 and 2 bf16 tiles.
-CASES = [(8, 1, 3, "on_wait", "mxfp4"), (8, 8, 2, "eager", "mxfp4"), (4, 4, 2, "on_wait", "bf16"),
-         (2, 2, 3, "on_wait", "bf16")]
+# (devices, batch, steps, DMA mode, experts, all-reduce rounds): batch 1, 2, 4 and 8, both DMA
+# modes, 8, 4 and 2 devices, one- and two-round all-reduces. Sized for interpret mode: every
+# collective round is 7 remote DMAs per device on 8 devices, ~4 ms each. On 8 devices the routed
+# experts are MXFP4 (packed, dequantized in VMEM; the reference runs on their dequantization), on 4
+# and 2 bf16 tiles.
+CASES = [(8, 1, 3, "on_wait", "mxfp4", "one_round"), (8, 8, 2, "eager", "mxfp4", "one_round"),
+         (4, 4, 2, "on_wait", "bf16", "two_round"), (2, 2, 3, "on_wait", "bf16", "one_round")]
+# collective rounds per step on mini-tp8 (4 layers): the embedding sum, then per layer the attention
+# output, then layer 0's dense MLP or the MoE's latent gather, routed sum and output sum; a
+# two-round all-reduce is two rounds
+ROUNDS = {"one_round": 1 + 2 + 4 * 3, "two_round": 2 + 4 + 7 * 3}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,batch,steps,mode,experts", CASES)
-def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mode, experts):
+@pytest.mark.parametrize("devices,batch,steps,mode,experts,all_reduce", CASES)
+def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mode, experts, all_reduce):
     cfg, params = tp8
     res = check(cfg, batch, steps, params=params, mesh=devices, detect_races=True,
-                dma_execution_mode=mode, ctx=128, experts=experts)
-    assert res["devices"] == devices and res["collectives_per_step"] == 15 and res["experts"] == experts
+                dma_execution_mode=mode, ctx=128, experts=experts, all_reduce=all_reduce)
+    assert res["devices"] == devices and res["experts"] == experts and res["all_reduce"] == all_reduce
+    assert res["collectives_per_step"] == ROUNDS[all_reduce]
     _assert_close(res)
 
 
@@ -103,6 +109,29 @@ def test_plan_collectives_are_the_kernels():
     assert plan.remote_bytes_per_step == sum(p.collective_bytes for p in plan.phases if p.kind == "collective")
     one = make_plan(cfg, 1)
     assert one.collectives_per_step == 0 and not any(p.kind == "collective" for p in one.phases)
+
+
+def test_two_round_all_reduces_are_plan_entries():
+    """A two-round all-reduce is a reduce-scatter and an all-gather phase in the schedule, each
+    sending N - 1 chunks of width / N lanes (128-aligned): for K3 on 32 cores, 16x fewer bytes."""
+    from mk.plan import MK, make_plan
+    from mk.sharding import default_layout
+
+    cfg = get_config("mini-tp8")
+    two = make_plan(cfg, 2, layout=default_layout(cfg, 8), options=dataclasses.replace(MK, all_reduce="two_round"))
+    assert two.options.kernel
+    assert two.layer_collectives(1) == ("attn_out.scatter", "attn_out.gather", "moe_latent", "moe_routed.scatter",
+                                        "moe_routed.gather", "moe_out.scatter", "moe_out.gather")
+    x = two.collectives["attn_out"]
+    assert (x.rounds, x.chunk) == (2, 128) and two.collectives["moe_latent"].rounds == 1
+    assert x.remote_bytes == 2 * 7 * 2 * 128 * 2                      # 2 rounds x 7 peers x [2, 128] bf16
+    assert two.exchange_width >= 8 * x.chunk                          # the send buffer holds N chunks
+    k3 = get_config("k3")
+    lay = default_layout(k3, 32)
+    one_r, two_r = (make_plan(k3, 1, layout=lay, check=False, options=dataclasses.replace(MK, all_reduce=a))
+                    for a in ("one_round", "two_round"))
+    a1, a2 = one_r.collectives["attn_out"], two_r.collectives["attn_out"]
+    assert a2.chunk == 256 and a1.remote_bytes == 31 * 2 * 7168 * 2 and a2.remote_bytes == 2 * 31 * 2 * 256 * 2
 
 
 @pytest.mark.parametrize("batch,wire_rows", [(1, 2), (3, 4), (4, 4), (6, 8), (8, 8)])

@@ -146,6 +146,9 @@ def format_table(report: list[dict]) -> str:
             notes.append(f"  mk plan: {info['devices']} devices (EP{info['ep']} x TP{info['tp_expert']} experts), "
                          f"{info['experts']} experts, tiles {info['tile'][0]}x{info['tile'][1]}, prefetch depth "
                          f"{info['prefetch_depth']} (the deepest ring that fits VMEM)")
+            rounds = {r["batch"]: r["mk_plan"]["all_reduce"] for r in rep["rows"] if "mk_plan" in r}
+            notes.append("  mk plan's all-reduces (the faster modelled; the kernel runs both): " +
+                         ", ".join(f"B={b} {a.replace('_', ' ')}" for b, a in rounds.items()))
         lines += notes
         lines.append("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster);"
                      " all times modelled (mk.sim)")

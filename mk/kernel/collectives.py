@@ -1,4 +1,4 @@
-"""In-kernel collectives: one round of remote copies, every rank to every peer.
+"""In-kernel collectives: rounds of remote copies, every rank to every peer.
 
 Every collective of the step (`Plan.collectives`: the embedding sum, the attention output
 projection, layer 0's dense MLP, and the MoE's latent gather, routed sum and output sum) is
@@ -9,16 +9,17 @@ the same pattern, an *exchange*:
              for each peer p != r: remote copy send[par] -> landing[par, r] on p
              wait for the N - 1 messages landing in landing[par, p], then for our N - 1 sends
 
-    all_reduce: sum landing[par, 0..N-1] in fp32 in rank order   (same bits on every rank)
+    all_reduce: sum landing[par, 0..N-1] in fp32 in rank order, round to bf16 (same bits on
+                every rank; every consumer rounds the sum to bf16, spec 3.9)
     all_gather: lay landing[par, 0..N-1] side by side in rank order
 
     rank 0   rank 1   rank 2   rank 3        landing[par] on every rank after the exchange:
       x0       x1       x2       x3     ->   [ x0 | x1 | x2 | x3 ]     (one slot per source)
 
-Why this is safe without a barrier per collective: a rank sends collective i only after it has
-finished reading collective i - 1, and nobody can finish collective i before hearing from every
-rank. So a fast peer is at most one collective ahead, and alternating two buffer sets (`par` =
-collective count mod 2) keeps its writes out of the slots a slow rank still reads. Each message
+Why this is safe without a barrier per collective: a rank sends round i only after it has
+finished reading round i - 1, and nobody can finish round i before hearing from every rank. So a
+fast peer is at most one round ahead, and alternating two buffer sets (`par` = round count mod 2)
+keeps its writes out of the slots a slow rank still reads. Each message
 has its own send and receive semaphore. Landing buffers are kernel scratch, so the step opens
 with a barrier (`barrier`): nobody sends into a peer that is still inside the previous step.
 
@@ -27,8 +28,12 @@ the 8-row matmul tile: a [B, width] bf16 buffer, which Mosaic pads to its row ti
 B = 1, 4 at B = 3 or 4, 8 above), so a B = 1 message moves a quarter of the tile's bytes. The
 receiver pads the result back to the matmul's rows with zeros.
 
-One round (N - 1 messages of B rows) trades bandwidth for latency: decode messages are a few
-KiB, where the fixed cost of a hop dominates (compare the seed's two-level exchange, spec 3.8).
+An all-reduce takes one round or two (`Collective.rounds`, chosen by the plan): one round sends
+N - 1 whole messages and pays one hop's latency; two rounds, a reduce-scatter (rank p sums
+everyone's lanes p * chunk .. (p + 1) * chunk) then an all-gather of the rounded chunks, send
+2 (N - 1) chunks of width / N lanes and pay two hops. Both give every rank the same bits. Decode
+messages are KiB at B = 1, where a hop's fixed cost weighs most; at B = 8 on 32 cores the N - 1
+copies of one round cost more than a second hop (compare the seed's two-level exchange, 3.8).
 Not handled: topologies where some peers are unreachable by direct remote copy.
 """
 from __future__ import annotations
@@ -60,24 +65,32 @@ def barrier(plan, refs):
 
 
 class Exchange:
-    """The remote copies of one collective: `start()` the N - 1 sends, `wait()` for everything."""
+    """The remote copies of one exchange round: `start()` the N - 1 sends, `wait()` for everything.
 
-    def __init__(self, plan, refs, parity, width: int):
-        self.plan, self.refs, self.par, self.width = plan, refs, parity, width
+    `chunk` = 0: every peer gets our whole message (lanes 0..width). `chunk` > 0 (the scatter round
+    of a two-round all-reduce): peer p gets lanes p * chunk .. (p + 1) * chunk of it."""
+
+    def __init__(self, plan, refs, parity, width: int, chunk: int = 0):
+        self.plan, self.refs, self.par, self.width, self.chunk = plan, refs, parity, width, chunk
         self.me = refs.rank[0]
 
     def _copy(self, peer: int, source: object):
-        """Copy of `source`'s message: our send buffer -> landing[par, source] on `peer`."""
-        r, par, lanes = self.refs, self.par, pl.ds(0, self.width)
+        """Copy of `source`'s message (the part for `peer`): our send buffer -> landing[par, source]
+        on `peer`."""
+        r, par, c = self.refs, self.par, self.chunk
+        src = pl.ds(peer * c, c) if c else pl.ds(0, self.width)
         return pltpu.make_async_remote_copy(
-            r.send.at[par, :, lanes], r.landing.at[par, source, :, lanes],
+            r.send.at[par, :, src], r.landing.at[par, source, :, pl.ds(0, c or self.width)],
             r.send_sems.at[par, peer], r.recv_sems.at[par, source],
             device_id=device_id(self.plan, peer), device_id_type=MESH)
 
     def start(self, wire):
-        r, par, lanes = self.refs, self.par, pl.ds(0, self.width)
-        r.send[par, :, lanes] = wire
-        r.landing[par, self.me, :, lanes] = wire
+        r, par, c = self.refs, self.par, self.chunk
+        r.send[par, :, pl.ds(0, wire.shape[-1])] = wire
+        if c:                                                   # our own part, from lane me * chunk
+            r.landing[par, self.me, :, pl.ds(0, c)] = r.send[par, :, pl.ds(pl.multiple_of(self.me * c, 128), c)]
+        else:
+            r.landing[par, self.me, :, pl.ds(0, self.width)] = wire
         for p in range(self.plan.devices):
             @pl.when(self.me != p)
             def _send(p=p):
@@ -94,22 +107,26 @@ class Exchange:
                 self._copy(p, self.me).wait_send()    # our send buffer may be reused
 
     def messages(self) -> list[jax.Array]:
-        """The N messages, in rank order: [M, width] bf16 each (M = `Plan.message_rows`)."""
-        return [self.refs.landing[self.par, j, :, pl.ds(0, self.width)] for j in range(self.plan.devices)]
+        """The N messages, in rank order: [M, chunk or width] bf16 each (M = `Plan.message_rows`)."""
+        lanes = pl.ds(0, self.chunk or self.width)
+        return [self.refs.landing[self.par, j, :, lanes] for j in range(self.plan.devices)]
 
 
-def _exchange(k, name: str, x: jax.Array) -> list[jax.Array]:
-    """x [R, w] -> the N ranks' messages bf16(x[:M]), [M, w] bf16 each, in rank order."""
+def _exchange(k, name: str, wire: jax.Array, width: int, chunk: int = 0) -> list[jax.Array]:
+    """One exchange round of collective `name`: wire [M, width] bf16 out, the N ranks' messages in."""
+    ring = k.ring
+    ex = Exchange(k.plan, k.refs, ring.c["coll"] % 2, width, chunk)
+    ex.start(wire)
+    ex.wait()
+    ring.c = dict(ring.c, coll=ring.c["coll"] + 1)
+    return ex.messages()
+
+
+def _collective(k, name: str, x: jax.Array):
     coll = k.plan.collectives[name]
     if x.shape[-1] != coll.width:
         raise ValueError(f"collective {name}: message of {x.shape[-1]} lanes, plan says {coll.width}")
-    ring = k.ring
-    with jax.named_scope(f"collective_{name}"):
-        ex = Exchange(k.plan, k.refs, ring.c["coll"] % 2, coll.width)
-        ex.start(bf(x[:coll.rows]))
-        ex.wait()
-        ring.c = dict(ring.c, coll=ring.c["coll"] + 1)
-        return ex.messages()
+    return coll, bf(x[:coll.rows])
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -119,18 +136,32 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return jnp.concatenate([x, jnp.zeros((rows - x.shape[0], x.shape[1]), x.dtype)], axis=0)
 
 
-def all_reduce(k, name: str, partial: jax.Array) -> jax.Array:
-    """partial [R, w] f32 -> sum over ranks of bf16(partial), fp32 in rank order: [R, w] f32
-    (rows past the message's token rows are zero).
-
-    On one device this is f32(bf16(partial)): the same rounding point, no communication."""
-    if k.plan.devices == 1:
-        return f32(bf(partial))
-    msgs = _exchange(k, name, partial)
+def _rank_sum(msgs: list[jax.Array]) -> jax.Array:
+    """bf16 messages summed in fp32 in rank order, rounded to bf16 (the same bits on every rank)."""
     acc = f32(msgs[0])
     for m in msgs[1:]:
         acc = acc + f32(m)
-    return _pad_rows(acc, partial.shape[0])
+    return bf(acc)
+
+
+def all_reduce(k, name: str, partial: jax.Array) -> jax.Array:
+    """partial [R, w] f32 -> bf16(sum over ranks of bf16(partial)), the sum fp32 in rank order:
+    [R, w] bf16 (rows past the message's token rows are zero).
+
+    One round (`Collective.rounds` = 1): every rank sends its whole message to every peer and sums
+    all N. Two rounds: a reduce-scatter (rank p receives everyone's lanes p * chunk ..
+    (p + 1) * chunk and sums them) then an all-gather of the rounded chunks: the same bits, 2 (N-1)
+    chunks sent instead of N - 1 whole messages. On one device: bf16(partial), no communication."""
+    if k.plan.devices == 1:
+        return bf(partial)
+    coll, wire = _collective(k, name, partial)
+    with jax.named_scope(f"collective_{name}"):
+        if coll.rounds == 1:
+            out = _rank_sum(_exchange(k, name, wire, coll.width))
+        else:
+            mine = _rank_sum(_exchange(k, name, wire, coll.width, coll.chunk))          # [M, chunk]
+            out = jnp.concatenate(_exchange(k, name, mine, coll.chunk), axis=-1)[:, :coll.width]
+    return _pad_rows(out, partial.shape[0])
 
 
 def all_gather(k, name: str, x: jax.Array) -> jax.Array:
@@ -138,4 +169,7 @@ def all_gather(k, name: str, x: jax.Array) -> jax.Array:
     message's token rows are zero)."""
     if k.plan.devices == 1:
         return x
-    return _pad_rows(jnp.concatenate(_exchange(k, name, x), axis=-1), x.shape[0])
+    coll, wire = _collective(k, name, x)
+    with jax.named_scope(f"collective_{name}"):
+        out = jnp.concatenate(_exchange(k, name, wire, coll.width), axis=-1)
+    return _pad_rows(out, x.shape[0])

@@ -94,7 +94,7 @@ def _embed(k: StepContext):
                     axis=0, keepdims=True) for b in range(B)]
     if R > B:
         rows.append(jnp.zeros((R - B, k.cfg.dim), jnp.float32))
-    r.p[...] = bf(all_reduce(k, "embed", jnp.concatenate(rows, axis=0)))
+    r.p[...] = all_reduce(k, "embed", jnp.concatenate(rows, axis=0))
 
 
 def _aux_copy(r, slot):

@@ -13,4 +13,4 @@ def dense_mlp(k, m):
     gu = k.ring.matmul(m, gate_up)
     g, u = (gate_up.part(n).cols(gu) for n in ("gate", "up"))
     h = situ(bf(g), bf(u), cfg.situ_beta, cfg.situ_linear_beta)
-    return bf(all_reduce(k, "dense_out", k.ring.matmul(h, down)[:, :cfg.dim]))
+    return all_reduce(k, "dense_out", k.ring.matmul(h, down)[:, :cfg.dim])

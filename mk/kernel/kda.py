@@ -132,7 +132,7 @@ def kda(k, a, i):
         for c in stores:
             c.start()
     with jax.named_scope("kda_out_proj"):
-        out = bf(all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim]))
+        out = all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])
     for c in stores:
         c.wait()
     return out

@@ -117,4 +117,4 @@ def mla(k, a, i):
         for b in range(k.plan.batch):                    # in row order: causal within a verify block
             _attend_row(k, b, i)
     with jax.named_scope("mla_out_proj"):
-        return bf(all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim]))
+        return all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])

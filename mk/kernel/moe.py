@@ -113,10 +113,10 @@ def moe(k, m, layer):
             r.routed_acc[...] = r.routed_acc[...] + weight * f32(out)
         ring.fori(0, n_distinct, expert)
     with jax.named_scope("moe_latent_up"):
-        r_sum = f32(bf(all_reduce(k, "moe_routed", r.routed_acc[...])))      # [R, N * lb]
+        r_sum = f32(all_reduce(k, "moe_routed", r.routed_acc[...]))      # [R, N * lb]
         r.routed_acc[...] = r_sum
         mine = r.routed_acc[:, pl.ds(pl.multiple_of(r.rank[0] * lb, 128), lb)]
         inv = jnp.sqrt(jnp.sum(r_sum * r_sum, axis=-1, keepdims=True) / cfg.latent + cfg.eps)
         r_n = bf(mine / inv * k.vec("latent_norm", lb))
         z_routed = ring.matmul(r_n, latent_up)[:, :cfg.dim]                  # partial on a mesh
-    return bf(all_reduce(k, "moe_out", z_routed + z_shared))
+    return all_reduce(k, "moe_out", z_routed + z_shared)

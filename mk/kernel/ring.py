@@ -28,48 +28,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.layers.common import K_CHUNK
-from mk.plan import CODES_PER_WORD, MX_GROUP, SCALES_PER_WORD, Matrix, Plan
-
-
-SIGN_BIT = -2 ** 31            # bit 31 of an int32
-MAG_BITS = 7 << 22          # e (2 bits) and m of an E2M1 code, placed at fp32 bits 22-24
-NORMAL = 2 << 22            # codes with e >= 1
-
-
-def e2m1_to_bf16(t, scale_bits):
-    """Exact MXFP4 dequantization with integer ops -> bf16 [r, n].
-
-    t: int32 [r, n] whose bits 28-31 are an E2M1 code (bit 31 sign, 29-30 exponent e, 28 mantissa
-    m; lower bits are ignored, so a word of 8 codes shifted left serves as is). scale_bits: int32
-    [1 or r, n], (s - 1) << 23 for the E8M0 byte s (2..252, `mk.plan.KERNEL_SCALE_RANGE`).
-
-    E2M1 magnitudes are 2^(e-1) * (1 + m/2) for e >= 1 and m/2 for e = 0, so value * 2^(s-127) is
-    an fp32 bit pattern: for e >= 1, biased exponent e - 1 + s and mantissa bit m at bit 22, which
-    is (e, m) at bits 22-24 plus (s - 1) << 23; for 0.5 the exponent s - 1 alone; for 0 nothing.
-    No bits below bit 16, so the cast to bf16 is exact. Per weight: shift, shift, and (the (e, m)
-    field), add, compare, compare, two selects, and + or (the sign), cast: 11 vector ops."""
-    mag = jax.lax.shift_right_logical(t, 6) & MAG_BITS
-    bits = jnp.where(mag >= NORMAL, mag + scale_bits, jnp.where(mag == 0, 0, scale_bits))
-    return jax.lax.bitcast_convert_type(bits | (t & SIGN_BIT), jnp.float32).astype(jnp.bfloat16)
+from mk.plan import MX_GROUP, SCALES_PER_WORD, Matrix, Plan
 
 
 def dequantize_tile(codes, scales, out, m: Matrix):
     """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
-    layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref.
+    layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref, exactly
+    value(code) * 2^(s - 127).
 
-    Whole-tile vector ops (few primitives: interpret mode runs each one separately): code j of
-    every word is row block j (the word shifted left by 28 - 4j puts it in bits 28-31); scale byte
-    j of every word is row-group block j, turned into exponent bits once per group and broadcast
-    over its 32 rows."""
+    The words are reinterpreted as E2M1 (`pltpu.bitcast`: row 8w + j is bits 4j .. 4j + 3 of word
+    w) and converted to bf16, which holds every E2M1 value exactly. Scale byte j of every word is
+    row-group block j; each group's 2^(s - 127) is built once as fp32 exponent bits, cast to bf16
+    (exact: s in 2..252, `mk.plan.KERNEL_SCALE_RANGE`) and broadcast over its 32 rows. The product
+    of an E2M1 value and a power of two is exact in bf16. Per weight: the conversion, the scale
+    broadcast, the multiply and the store: 4 vector ops (whole-tile ops: interpret mode runs each
+    primitive separately)."""
     tk, tn = m.tile_k, m.tile_n
-    words = codes[...]
-    t = jnp.concatenate([words << (28 - 4 * j) for j in range(CODES_PER_WORD)], axis=0)   # [tk, tn]
+    values = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.bfloat16)      # [tk, tn]
     s_words = scales[...]
     group = jnp.concatenate([jax.lax.shift_right_logical(s_words, 8 * j) & 255 for j in range(SCALES_PER_WORD)],
                             axis=0)                                                 # [tk / 32, tn]
-    scale_bits = (group - 1) << 23
-    scale_bits = jnp.broadcast_to(scale_bits[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
-    out[...] = e2m1_to_bf16(t, scale_bits)
+    scale = jax.lax.bitcast_convert_type(group << 23, jnp.float32).astype(jnp.bfloat16)
+    scale = jnp.broadcast_to(scale[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
+    out[...] = values * scale
 
 
 class WeightRing:
