@@ -351,7 +351,7 @@ def _staged(x: np.ndarray) -> np.ndarray:
         return x
     buf = getattr(_STAGING, "buf", None)
     if buf is None or buf.nbytes < x.nbytes:
-        buf = _STAGING.buf = _empty((max(x.nbytes, CHUNK_BYTES),), U8)
+        buf = _STAGING.buf = aligned_empty((max(x.nbytes, CHUNK_BYTES),), U8)
     out = buf[:x.nbytes].view(x.dtype).reshape(x.shape)
     np.copyto(out, x)
     return out
@@ -641,11 +641,27 @@ class Checkpoint:
         fam = tree
         for k in e.dest:
             fam = fam[k]
-        if e.kind == "mxfp4":
-            self._fill_mxfp4(fam, e, experts)
+        if e.kind == "mxfp4" and experts == "mxfp4":   # packed, as stored: scale (checked), then codes
+            for sub in ("scale", "packed"):
+                self._fill_slot(fam[sub][e.index], e, sub)
             return
-        dst = fam[e.index] if e.index else fam
+        self._fill_slot(fam[e.index] if e.index else fam, e)
+
+    def _fill_slot(self, dst: np.ndarray, e: Entry, sub: "str | None" = None):
+        """Fill `dst`, the destination slot of entry `e` (for a packed MXFP4 entry, `sub` =
+        "packed" or "scale" names which of its two tensors)."""
         src = e.sources[0]
+        if e.kind == "mxfp4":
+            psrc, ssrc = e.sources
+            if sub is None:                              # dequantized to bf16 [K, N]
+                _dequant_into(dst, self.read(psrc.name), self._valid_scale(ssrc))
+                return
+            s = psrc if sub == "packed" else ssrc     # bytes move file -> final array once
+            if not self.read_into(s.name, dst):
+                dst[...] = self.read(s.name)
+            if sub == "scale":
+                self._check_scale_bytes(ssrc, dst)
+            return
         # fp32 targets may be stored F32/BF16/F16 (exact widening); bf16 targets only as BF16
         casting = "unsafe" if dst.dtype == F32 else "no"
         if e.kind == "copy":
@@ -672,18 +688,55 @@ class Checkpoint:
         else:  # pragma: no cover
             raise AssertionError(e.kind)
 
-    def _fill_mxfp4(self, fam, e: Entry, experts: str):
-        psrc, ssrc = e.sources
-        if experts == "mxfp4":          # packed, as stored: bytes move file -> final array once
-            scale = fam["scale"][e.index]
-            if not self.read_into(ssrc.name, scale):
-                scale[...] = self.read(ssrc.name)
-            self._check_scale_bytes(ssrc, scale)
-            if not self.read_into(psrc.name, fam["packed"][e.index]):
-                fam["packed"][e.index] = self.read(psrc.name)
-            return
-        scale = self._valid_scale(ssrc)
-        _dequant_into(fam[e.index], self.read(psrc.name), scale)
+    def lazy_params(self, experts: str = "mxfp4") -> dict:
+        """The tree of `load(experts=...)` with `LazyLeaf`s for arrays: nothing is read until a
+        leaf is indexed, and nothing read is kept. For consumers that walk the model once and keep
+        their own layout (`mk.kernel.kernel_weights`): host memory then holds their output plus
+        one slot, never the loaded tree. Everything is validated first, as by `load`; the
+        checkpoint must stay open while the leaves are read."""
+        import jax
+
+        entries = layout(self.cfg)
+        self.validate(entries)
+        by_dest: dict[tuple, list[Entry]] = {}
+        for e in entries:
+            by_dest.setdefault(e.dest, []).append(e)
+
+        def leaf(kpath, s):
+            keys = tuple(getattr(k, "key", k) for k in kpath)
+            sub = keys[2] if len(keys) == 3 else None           # packed MXFP4 leaf: "packed" / "scale"
+            return LazyLeaf(self, by_dest[keys[:2] if sub else keys], s.shape, s.dtype, sub)
+        return jax.tree_util.tree_map_with_path(leaf, abstract_params(self.cfg, experts))
+
+
+class LazyLeaf:
+    """One array of `Checkpoint.lazy_params`: `leaf[i]` / `leaf[i, j]` (leading integer indices)
+    reads that slot now, as a fresh numpy array of shape `shape[n_indices:]`; `np.asarray(leaf)`
+    reads all of it. Same bits as `load`'s array (same fill code)."""
+
+    def __init__(self, ck: Checkpoint, entries: "Sequence[Entry]", shape, dtype, sub: "str | None"):
+        self.ck, self.entries, self.sub = ck, list(entries), sub
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        idx = tuple(int(i) for i in (idx if isinstance(idx, tuple) else (idx,)))
+        n = len(idx)
+        if n > len(self.entries[0].index) or any(not 0 <= i < d for i, d in zip(idx, self.shape)):
+            raise IndexError(f"{self.entries[0].dest}: index {idx} of a lazy leaf of shape {self.shape}")
+        out = aligned_empty(self.shape[n:], self.dtype)
+        for e in self.entries:
+            if e.index[:n] == idx:
+                rest = e.index[n:]
+                self.ck._fill_slot(out[rest] if rest else out, e, self.sub)
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        x = self[()]
+        return x if dtype is None else x.astype(dtype, copy=False)
+
+    def __repr__(self):
+        return f"LazyLeaf({'.'.join(self.entries[0].dest)}{'.' + self.sub if self.sub else ''}, {self.shape}, {self.dtype})"
 
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: a read that fails rather than wait for storage
@@ -785,10 +838,10 @@ def _allocate(cfg: K3Config, experts: str) -> dict:
     import jax
 
     tree = shapes(cfg)
-    tree = jax.tree.map(lambda s: _empty(s.shape, s.dtype), tree)
+    tree = jax.tree.map(lambda s: aligned_empty(s.shape, s.dtype), tree)
     if experts == "mxfp4":
         for w, s in mxfp4_shapes(cfg).items():
-            tree["moe"][w] = {k: _empty(v, U8) for k, v in s.items()}
+            tree["moe"][w] = {k: aligned_empty(v, U8) for k, v in s.items()}
     return tree
 
 
@@ -798,7 +851,7 @@ _ALIGN = 64  # jax.device_put aliases (does not copy) host arrays aligned like t
 _HUGE = 2 << 20   # transparent huge page size (x86-64 / arm64 default)
 
 
-def _empty(shape, dtype) -> np.ndarray:
+def aligned_empty(shape, dtype) -> np.ndarray:
     """np.empty, but 64-byte aligned so that the hand-off to JAX is zero-copy. Big arrays are
     anonymous maps aligned to 2 MiB and advised MADV_HUGEPAGE: filling fresh memory then takes
     one page fault per 2 MiB instead of per 4 KiB (measured: the faults, not the copies, made
@@ -821,7 +874,7 @@ def _empty(shape, dtype) -> np.ndarray:
 
 
 def as_jax(tree):
-    """numpy tree -> jax arrays; zero-copy on CPU for `_empty` arrays (a copy elsewhere)."""
+    """numpy tree -> jax arrays; zero-copy on CPU for `aligned_empty` arrays (a copy elsewhere)."""
     import jax
     return jax.tree.map(jax.device_put, tree)
 

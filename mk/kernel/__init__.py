@@ -40,7 +40,9 @@ def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
     """Device arrays the kernel reads: packed tiles, experts, vector tables, the embedding.
 
     On a mesh each device gets its own share (`pack_weights(plan, params, rank)`), stacked along
-    the leading axis and placed by `NamedSharding(mesh, P(ALL))`."""
+    the leading axis and placed by `NamedSharding(mesh, P(ALL))`. On one device `params` may be
+    `mk.checkpoint.Checkpoint.lazy_params(...)`: slots are then read as they are packed, and host
+    memory holds the packed arrays (handed to JAX without a copy on CPU) plus one layer's work."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from mk.sharding import ALL
 
