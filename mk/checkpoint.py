@@ -33,8 +33,9 @@ layer; E8M0 scale bytes are checked as they stream. Any bad input raises a subcl
 `CheckpointError` whose message names the file and the tensor or key at fault; no partially
 filled tree is ever returned. Peak host memory is the output plus one tensor's working set (big
 tensors are streamed in row chunks of at most `CHUNK_BYTES`): arrays are preallocated per family,
-filled in place, and handed to JAX without a copy (CPU) at the end. The tensors of a layer are
-filled by a small thread pool (`threads`, default 2; numpy copies and XLA release the GIL), big
+filled in place, and handed to JAX without a copy (CPU) at the end. Tensors stored as the tree
+holds them (packed experts, norms) are read straight into their slots, back-to-back ones by one
+scatter `preadv` (up to CHUNK_BYTES each). The tensors of a layer are filled by a small thread pool (`threads`, default 2; numpy copies and XLA release the GIL), big
 bf16 transposes and MXFP4 dequantization run as small XLA programs (XLA's tiled transpose is
 several times faster than numpy's strided copy), and a `ShardStreamer` thread reads the shards
 into the page cache ahead of the conversion (cold loads overlap storage reads with conversion).
@@ -525,16 +526,25 @@ class Checkpoint:
                     fd = self._fds[shard] = os.open(os.path.join(self.path, shard), os.O_RDONLY)
         return fd
 
-    def read_into(self, name: str, dst: np.ndarray) -> bool:
-        """Read tensor `name` from its shard straight into `dst` (one copy, file -> dst, as a raw
-        read does; `preadv` releases the GIL). Only when the stored bytes are `dst`'s bytes: same
-        dtype and size, `dst` C-contiguous; returns False otherwise (the caller converts)."""
+    def _direct_span(self, name: str, dst: np.ndarray):
+        """(shard, byte offset, byte count) of tensor `name` when its stored bytes are `dst`'s
+        bytes (same dtype and size, `dst` C-contiguous), so one read fills it; else None."""
         shard = self._shard_of(name)
         self._handle(shard)                                   # header / size checks, once
         dtype, off, n = self._spans(shard)[name]
         if (_NP_DTYPES.get(dtype) != dst.dtype or n != dst.nbytes or not dst.flags.c_contiguous
                 or not hasattr(os, "preadv")):
+            return None
+        return shard, off, n
+
+    def read_into(self, name: str, dst: np.ndarray) -> bool:
+        """Read tensor `name` from its shard straight into `dst` (one copy, file -> dst, as a raw
+        read does; `preadv` releases the GIL). Only when the stored bytes are `dst`'s bytes: same
+        dtype and size, `dst` C-contiguous; returns False otherwise (the caller converts)."""
+        span = self._direct_span(name, dst)
+        if span is None:
             return False
+        shard, off, n = span
         view = memoryview(dst.reshape(-1).view(np.uint8))
         fd, done = self._fd(shard), 0
         while done < n:
@@ -544,6 +554,18 @@ class Checkpoint:
                                           f"ends at byte {off + n}, the file ends before")
             done += got
         return True
+
+    def _read_run(self, run: "Sequence[_Read]"):
+        """Tensors stored back to back in one shard, read by one `preadv` into their slots (a
+        scatter read: one syscall for up to IOV_MAX tensors). A short read (a truncated shard)
+        falls back to tensor-by-tensor reads, which name the tensor at fault."""
+        shard, off = run[0].shard, run[0].off
+        got = os.preadv(self._fd(shard), [memoryview(r.dst.reshape(-1).view(np.uint8)) for r in run], off)
+        for r in run:
+            if r.off + r.n > off + max(got, 0):
+                self.read_into(r.name, r.dst)
+            if r.check is not None:
+                self._check_scale_bytes(r.check, r.dst)
 
     def close(self):
         for fd in self._fds.values():
@@ -601,11 +623,13 @@ class Checkpoint:
         try:
             for gi, items in enumerate(order):
                 streamer.consumer_at(self._shards_of(items))
+                reads, rest = self._direct_reads(tree, items, experts)
+                jobs = [(self._read_run, run) for run in _runs(reads)] + [(self._fill, tree, e, experts) for e in rest]
                 if pool is None:
-                    for e in items:
-                        self._fill(tree, e, experts)
+                    for fn, *a in jobs:
+                        fn(*a)
                 else:
-                    for fut in [pool.submit(self._fill, tree, e, experts) for e in items]:
+                    for fut in [pool.submit(*job) for job in jobs]:
                         fut.result()
                 bar.update(1)
         finally:
@@ -614,6 +638,30 @@ class Checkpoint:
                 pool.shutdown(wait=True, cancel_futures=True)
             bar.close()
         return as_jax(tree) if to_jax else tree
+
+    def _direct_reads(self, tree: dict, entries: "Sequence[Entry]", experts: str):
+        """Split a group's entries into tensors read as stored straight into their slot (`_Read`s,
+        sorted by file position) and the entries that convert (for `_fill`)."""
+        reads, rest = [], []
+        for e in entries:
+            fam = tree
+            for k in e.dest:
+                fam = fam[k]
+            if e.kind == "mxfp4" and experts == "mxfp4":
+                psrc, ssrc = e.sources
+                pairs = [(ssrc, fam["scale"][e.index], ssrc), (psrc, fam["packed"][e.index], None)]
+            elif e.kind == "copy":
+                pairs = [(e.sources[0], fam[e.index] if e.index else fam, None)]
+            else:
+                rest.append(e)
+                continue
+            spans = [self._direct_span(src.name, dst) for src, dst, _ in pairs]
+            if any(sp is None for sp in spans):
+                rest.append(e)
+                continue
+            reads += [_Read(*sp, src.name, dst, check) for sp, (src, dst, check) in zip(spans, pairs)]
+        reads.sort(key=lambda r: (r.shard, r.off))
+        return reads, rest
 
     def _shards_of(self, entries: "Sequence[Entry]") -> list[str]:
         return [self.weight_map[src.name] for e in entries for src in e.sources]
@@ -871,6 +919,38 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     buf = np.empty(n + _ALIGN, np.uint8)
     off = (-buf.ctypes.data) % _ALIGN
     return buf[off:off + n].view(dtype).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """One tensor read as stored into its slot: shard, byte offset and count in it, name, the
+    slot, and (for an E8M0 scale tensor) its Source, checked after the read."""
+    shard: str
+    off: int
+    n: int
+    name: str
+    dst: np.ndarray
+    check: "Source | None"
+
+
+_IOV_MAX = 1024
+
+
+def _runs(reads: "Sequence[_Read]") -> list[list[_Read]]:
+    """Reads (sorted by shard and offset) cut into runs of back-to-back tensors, each at most
+    CHUNK_BYTES (or one tensor) and IOV_MAX tensors: one `preadv` each."""
+    runs: list[list[_Read]] = []
+    size = 0
+    for r in reads:
+        last = runs[-1][-1] if runs else None
+        if (last is None or r.shard != last.shard or r.off != last.off + last.n
+                or size + r.n > CHUNK_BYTES or len(runs[-1]) >= _IOV_MAX):
+            runs.append([r])
+            size = r.n
+        else:
+            runs[-1].append(r)
+            size += r.n
+    return runs
 
 
 def as_jax(tree):
