@@ -132,8 +132,10 @@ def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int
     def step_fn(_params, cache, tokens):
         args = (weights, place_cache(cache, device_mesh), jnp.asarray(tokens, jnp.int32))
         run = step
-        if collect:      # compile first, release what compiling freed, then run (lower peak)
-            leaves, tree = jax.tree.flatten(args[1:])
+        leaves, tree = jax.tree.flatten(args[1:])
+        if collect and not any(isinstance(x, jax.core.Tracer) for x in leaves):
+            # compile first, release what compiling freed, then run (a lower peak); traced calls
+            # (mk.check counting pallas_calls) go through the jitted step
             key = (tree, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
             if key not in compiled:
                 compiled[key] = step.lower(*args).compile()
