@@ -1149,14 +1149,17 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
         raise PlanError(f"rank {rank} outside the plan's {plan.devices} devices")
     if not plan.layout.single:
         params = local_params(params, plan.layout, rank)
-    tiles = []
-    off = plan.latent_offsets[rank]
+    from mk.checkpoint import aligned_empty
+
+    # every matrix is tiled straight into its rows of the final array (no list of float32 tiles)
+    tiles = aligned_empty((plan.dense_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
+    off, at = plan.latent_offsets[rank], 0
     for s in plan.streams:
-        layer = s.layer
         for m in s.pre + s.post:
-            tiles.append(tile_matrix(_dense_matrix(params, cfg, m, layer, off), plan.tile_k, plan.tile_n))
-    tiles = np.concatenate(tiles).astype(ml_dtypes.bfloat16)
-    assert tiles.shape[0] == plan.dense_tiles
+            t = tile_matrix(_dense_matrix(params, cfg, m, s.layer, off), plan.tile_k, plan.tile_n)
+            tiles[at:at + t.shape[0]] = t
+            at += t.shape[0]
+    assert at == plan.dense_tiles, (at, plan.dense_tiles)
 
     out = {"tiles": tiles, "vectors": pack_vectors(plan, params, rank)}
     if plan.experts == "mxfp4":
@@ -1199,12 +1202,14 @@ def _pack_bf16_experts(plan: Plan, params: dict) -> np.ndarray:
 
 # ---- MXFP4 expert tiles -------------------------------------------------------------------------
 # One [tile_k, tile_n] tile of an mxfp4 matrix (kernel orientation: rows = K, the contraction) is
-#     codes  int32 [tile_k / 8, tile_n]:   bits 4j..4j+3 of word [i, n] = E2M1 code of row j * tile_k / 8 + i
+#     codes  int32 [tile_k / 8, tile_n]:   bits 4j..4j+3 of word [i, n] = E2M1 code of row 8i + j
 #     scales int32 [tile_k / 128, tile_n]: bits 8j..8j+7 of word [i, n] = E8M0 byte of row group j * tile_k / 128 + i
-# (row group g = rows 32g .. 32g + 31). Code j of a word and scale byte j cover contiguous row
-# blocks, so the kernel unpacks a block with one shift and mask (no interleave); padding is code 0
-# (+0.0) with scale byte 127. The bits are the checkpoint's own; only their positions change.
+# (row group g = rows 32g .. 32g + 31). Codes are interleaved as `pltpu.bitcast` unpacks them (spec
+# 2.3's kernel layout); scale byte j of the words covers a contiguous block of groups, unpacked
+# with one shift and mask. Padding is code 0 (+0.0) with scale byte 127. The bits are the
+# checkpoint's own; only their positions change.
 MXFP4_PAD_SCALE = 127
+EXPERT_CHUNK_BYTES = 16 << 20   # experts packed at a time: about this many bytes of [K, N] codes
 
 
 def mxfp4_codes_kn(packed: np.ndarray) -> np.ndarray:
@@ -1235,10 +1240,9 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int) ->
             x = np.moveaxis(x.reshape(*x.shape[:-2], r, per, tn), -2, -3)
         else:                               # part j of word w: row j * r + w
             x = x.reshape(*x.shape[:-2], per, r, tn)
-        x = x.astype(np.uint32)
         w = np.zeros(x.shape[:-3] + x.shape[-2:], np.uint32)
-        for j in range(per):
-            w |= x[..., j, :, :] << np.uint32(bits * j)
+        for j in range(per):                # widened one code plane at a time (bounded temporaries)
+            w |= x[..., j, :, :].astype(np.uint32) << np.uint32(bits * j)
         return w.view(np.int32)
 
     return (words(tiles(codes, tk), CODES_PER_WORD, 4, True),
@@ -1273,36 +1277,45 @@ def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
     fe = cfg.expert_hidden // plan.layout.tp_expert
     N, lb, per, offs = plan.devices, plan.latent_block, cfg.latent // plan.devices, plan.latent_offsets
     T = plan.expert_tiles
-    codes_out = np.empty((cfg.n_moe, E, T, gu.code_rows, tn), np.int32)
-    scales_out = np.empty((cfg.n_moe, E, T, gu.scale_rows, tn), np.int32)
+    from mk.checkpoint import aligned_empty
+
+    codes_out = aligned_empty((cfg.n_moe, E, T, gu.code_rows, tn), np.int32)
+    scales_out = aligned_empty((cfg.n_moe, E, T, gu.scale_rows, tn), np.int32)
     g_lb = lb // MX_GROUP
     # rank j's slice lands at lane offs[j] of block j: padded group j * g_lb + q holds rows of the
     # one source group (j * per - offs[j]) / 32 + q (and zeros), so it takes that group's scale
     blocks = [(j * lb + offs[j], j * per, j * g_lb, (j * per - offs[j]) // MX_GROUP,
                -(-(offs[j] + per) // MX_GROUP)) for j in range(N)]
+    chunk = max(1, EXPERT_CHUNK_BYTES // max(gu.k_pad * gu.n_pad, dn.k_pad * dn.n_pad))   # experts at a time
     for i in range(cfg.n_moe):
-        for k in ("w1", "w3", "w2"):
-            check_kernel_scales(leaves[k]["scale"][i], f"moe.{k} (MoE layer {i + 1})")
-        a = np.zeros((E, gu.k_pad, gu.n_pad), np.uint8)                          # [E, K, N] codes
-        sa = np.full((E, gu.k_pad // MX_GROUP, gu.n_pad), MXFP4_PAD_SCALE, np.uint8)
-        for key in ("w1", "w3"):
-            c = mxfp4_codes_kn(leaves[key]["packed"][i])                          # [E, latent, fe]
-            sc = np.swapaxes(np.asarray(leaves[key]["scale"][i], np.uint8), -1, -2)   # [E, latent/32, fe]
-            off = gu.part(key).offset
-            for dst, src, gdst, gsrc, ng in blocks:                               # latent rank blocks
-                a[:, dst:dst + per, off:off + fe] = c[:, src:src + per]
-                sa[:, gdst:gdst + ng, off:off + fe] = sc[:, gsrc:gsrc + ng]
-        b = np.zeros((E, dn.k_pad, dn.n_pad), np.uint8)
-        sb = np.full((E, dn.k_pad // MX_GROUP, dn.n_pad), MXFP4_PAD_SCALE, np.uint8)
-        c = mxfp4_codes_kn(leaves["w2"]["packed"][i])                             # [E, fe, latent]
-        sc = np.swapaxes(np.asarray(leaves["w2"]["scale"][i], np.uint8), -1, -2)   # [E, fe/32, latent]
-        for dst, src, *_ in blocks:
-            b[:, :fe, dst:dst + per] = c[:, :, src:src + per]
-            sb[:, :fe // MX_GROUP, dst:dst + per] = sc[:, :, src:src + per]
-        for m, (cm, sm) in ((gu, (a, sa)), (dn, (b, sb))):
-            start = 0 if m is gu else gu.tiles
-            codes_out[i, :, start:start + m.tiles], scales_out[i, :, start:start + m.tiles] = \
-                pack_mxfp4_tiles(cm, sm, tk, tn)
+        # this layer's leaves, read once: [E, N, K/2] packed, [E, N, K/32] scale (checkpoint orientation)
+        layer = {k: (leaves[k]["packed"][i], np.asarray(leaves[k]["scale"][i], np.uint8)) for k in ("w1", "w3", "w2")}
+        for k, (_, scale) in layer.items():
+            check_kernel_scales(scale, f"moe.{k} (MoE layer {i + 1})")
+        for e0 in range(0, E, chunk):
+            ex = slice(e0, min(E, e0 + chunk))
+            n = ex.stop - ex.start
+            a = np.zeros((n, gu.k_pad, gu.n_pad), np.uint8)                      # [n, K, N] codes
+            sa = np.full((n, gu.k_pad // MX_GROUP, gu.n_pad), MXFP4_PAD_SCALE, np.uint8)
+            for key in ("w1", "w3"):
+                c = mxfp4_codes_kn(layer[key][0][ex])                              # [n, latent, fe]
+                sc = np.swapaxes(layer[key][1][ex], -1, -2)                       # [n, latent/32, fe]
+                off = gu.part(key).offset
+                for dst, src, gdst, gsrc, ng in blocks:                           # latent rank blocks
+                    a[:, dst:dst + per, off:off + fe] = c[:, src:src + per]
+                    sa[:, gdst:gdst + ng, off:off + fe] = sc[:, gsrc:gsrc + ng]
+            b = np.zeros((n, dn.k_pad, dn.n_pad), np.uint8)
+            sb = np.full((n, dn.k_pad // MX_GROUP, dn.n_pad), MXFP4_PAD_SCALE, np.uint8)
+            c = mxfp4_codes_kn(layer["w2"][0][ex])                                 # [n, fe, latent]
+            sc = np.swapaxes(layer["w2"][1][ex], -1, -2)                           # [n, fe/32, latent]
+            for dst, src, *_ in blocks:
+                b[:, :fe, dst:dst + per] = c[:, :, src:src + per]
+                sb[:, :fe // MX_GROUP, dst:dst + per] = sc[:, :, src:src + per]
+            for m, (cm, sm) in ((gu, (a, sa)), (dn, (b, sb))):
+                t0 = 0 if m is gu else gu.tiles
+                codes_out[i, ex, t0:t0 + m.tiles], scales_out[i, ex, t0:t0 + m.tiles] = \
+                    pack_mxfp4_tiles(cm, sm, tk, tn)
+        del layer
     return {"expert_codes": codes_out, "expert_scales": scales_out}
 
 
@@ -1310,7 +1323,10 @@ def pack_vectors(plan: Plan, params: dict, rank: int = 0) -> np.ndarray:
     """Rank's per-layer vector table [L + 1, rows, width] f32 (`params`: its share)."""
     cfg = plan.config
     rows = vector_rows(cfg)
-    v = np.zeros((cfg.layers + 1, len(rows), plan.vector_width), np.float32)
+    from mk.checkpoint import aligned_empty
+
+    v = aligned_empty((cfg.layers + 1, len(rows), plan.vector_width), np.float32)   # zero-copy hand-off to JAX
+    v[...] = 0
 
     def put(l, name, x, at=0):
         x = np.asarray(x, np.float32).reshape(-1)

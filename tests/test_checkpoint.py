@@ -95,6 +95,39 @@ def test_mxfp4_mode_dequantizes_to_the_same(ckpt, expected):
     assert_same_tree(rest, {k: v for k, v in expected.items() if k != "moe"})
 
 
+@pytest.mark.parametrize("experts", ["mxfp4", "bf16"])
+def test_lazy_params_read_the_bits_load_returns(ckpt, experts):
+    """`Checkpoint.lazy_params`: same tree; every leaf, whole or one slot, has load's bits."""
+    tree = ck.load(ckpt[0], experts=experts, progress=False, to_jax=False)
+    with ck.Checkpoint(ckpt[0]) as c:
+        lazy = c.lazy_params(experts)
+        assert jax.tree.structure(lazy) == jax.tree.structure(tree)
+        for (path, leaf), x in zip(jax.tree_util.tree_leaves_with_path(lazy), jax.tree.leaves(tree)):
+            assert (leaf.shape, leaf.dtype) == (x.shape, x.dtype), jax.tree_util.keystr(path)
+            assert _bits(leaf) == _bits(x), jax.tree_util.keystr(path)
+        w2 = lazy["moe"]["w2"]["scale"] if experts == "mxfp4" else lazy["moe"]["w2"]
+        x2 = tree["moe"]["w2"]["scale"] if experts == "mxfp4" else tree["moe"]["w2"]
+        assert _bits(w2[1]) == _bits(x2[1]) and _bits(w2[1, 3]) == _bits(x2[1, 3])
+        assert _bits(lazy["kda"]["conv"][0, 2]) == _bits(tree["kda"]["conv"][0, 2])
+        with pytest.raises(IndexError, match="moe"):
+            w2[CFG.n_moe]
+
+
+def test_kernel_weights_packed_from_lazy_params_are_the_loaded_trees(ckpt):
+    """pack_weights reads the same bits slot by slot as from the loaded tree, into 64-byte
+    aligned arrays (handed to JAX without a copy on CPU)."""
+    from mk.plan import make_plan, pack_weights
+
+    plan = make_plan(CFG, 1, experts="mxfp4")
+    want = pack_weights(plan, ck.load(ckpt[0], experts="mxfp4", progress=False, to_jax=False))
+    with ck.Checkpoint(ckpt[0]) as c:
+        got = pack_weights(plan, c.lazy_params("mxfp4"))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert _bits(got[k]) == _bits(want[k]), k
+        assert got[k].ctypes.data % 64 == 0, k
+
+
 def test_abstract_params_from_config_only(ckpt, tmp_path):
     only_config = tmp_path / "cfg"
     only_config.mkdir()
@@ -349,6 +382,11 @@ def test_bad_input_raises_named_checkpoint_error(case, ckpt, tmp_path, capsys):
         msg = str(info.value)
         for w in words:
             assert w in msg, (w, msg)
+        with pytest.raises(err) as info:         # the kernel backend's slot-by-slot reads: same errors
+            with ck.Checkpoint(path) as c:
+                jax.tree.map(np.asarray, c.lazy_params(experts))
+        for w in words:
+            assert w in str(info.value), (w, str(info.value))
     assert main(["load", path, "--no-progress"]) == 2
     out = capsys.readouterr()
     assert out.err.startswith("error: ") and out.err.count("\n") == 1

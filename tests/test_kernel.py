@@ -72,3 +72,19 @@ def test_one_pallas_call_per_step(mini):
     # and the reference baseline has none: it is plain XLA
     assert count_pallas_calls(lambda c, t: reference.decode_step(params, c, t, cfg=cfg), cache,
                               jnp.zeros((2,), jnp.int32)) == 0
+
+
+def test_interpret_shim_hands_over_only_private_operand_copies():
+    """The interpreter keeps an operand array as its simulated HBM (no copy) only when the array
+    owns its data (jaxlib's private copy for one callback); views and JAX's buffers are copied."""
+    import jax.numpy as jnp
+    import numpy as np
+    from mk.kernel.interpret_shim import owned_operand
+
+    own = np.arange(8, dtype=np.int32)
+    own.flags.writeable = False                       # as jaxlib hands it over
+    kept = np.array(owned_operand(own))
+    assert kept is own and kept.flags.writeable       # written in place by the simulated kernel
+    for other in (own[2:], np.asarray(jnp.arange(8))):
+        assert owned_operand(other) is other
+        assert not np.shares_memory(np.array(owned_operand(other)), other)

@@ -143,13 +143,14 @@ def _logits_run(args) -> int:
             np.save(args.out, np.asarray(logits, np.float32))
             print(f"wrote {args.out}: float32 logits {list(logits.shape)} (reference on {mesh.size} devices)")
         return 0
-    # the kernel streams the checkpoint's MXFP4 experts packed (dequantized in VMEM); the reference in bf16
-    params = load(args.checkpoint, progress=on_terminal(not args.no_progress),
-                  experts="mxfp4" if args.backend == "kernel" else "bf16")
     if args.backend == "kernel":
-        with _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
-            logits = fn(params, cfg, tokens)
-    else:
+        # the kernel packs its tiles slot by slot as they are read (the loaded tree never exists);
+        # MXFP4 experts stay packed (dequantized in VMEM)
+        from mk.checkpoint import Checkpoint
+        with Checkpoint(args.checkpoint) as ck, _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
+            logits = fn(ck.lazy_params(experts="mxfp4"), cfg, tokens)
+    else:                                                  # the reference reads bf16 experts
+        params = load(args.checkpoint, progress=on_terminal(not args.no_progress), experts="bf16")
         logits = fn(params, cfg, tokens)
     logits = np.asarray(logits, np.float32)
     np.save(args.out, logits)

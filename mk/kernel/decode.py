@@ -252,7 +252,7 @@ def sharded_block(plan: Plan, mesh, interpret=None):
     n_aux = len(plan.aux_layers)
     if interpret is None:
         interpret = False if on_tpu() else interpret_params()
-    if interpret is not False and N > 1:
+    if interpret is not False:            # interpreted: no deadlock on a mesh, no extra weight copies
         from mk.kernel.interpret_shim import install
         install()
     call = build_call(plan, interpret)
