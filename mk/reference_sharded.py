@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mk import sharding
 from mk.config import K3Config
 from mk.layers.attn_res import mix
-from mk.layers.common import F32, K_CHUNK, bf, f32, mm, pad_rows, rms, rows_padded, sigmoid, situ
+from mk.layers.common import F32, K_CHUNK, bf, f32, mm, pad_rows, rms, rows_padded, rsqrt, sigmoid, situ
 from mk.layers.dense_mlp import dense_mlp
 from mk.layers.kda import kda
 from mk.layers.mla import mla
@@ -164,11 +164,11 @@ def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):
     r_sum = f32(bf(reduce_bf16(acc)))                            # [B, Lp], every rank's full latent
     gamma = jax.lax.all_gather(w["latent_norm"], ALL, axis=0, tiled=True)   # full width, exact
     x = pad_rows(r_sum)
-    inv = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) / cfg.latent + cfg.eps)[:r_sum.shape[0]]
+    inv = rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / cfg.latent + cfg.eps)[:r_sum.shape[0]]
     block = r_sum.shape[1] // n
     mine = jax.lax.dynamic_slice_in_dim(r_sum, r * block, block, axis=1)      # this rank's rows of latent_up
     gamma = jax.lax.dynamic_slice_in_dim(_latent_blocks(gamma, n, axis=0), r * block, block)
-    r_n = bf(mine / inv * gamma)
+    r_n = bf(mine * inv * gamma)
     up = w["latent_up"]                                          # [latent / n, d]: rows at the block's offset
     at = jnp.asarray(latent_offsets(cfg.latent, n), jnp.int32)[r]
     up = jax.lax.dynamic_update_slice(jnp.zeros((block, up.shape[1]), up.dtype), up, (at, jnp.int32(0)))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mk.kernel.collectives import all_gather, all_reduce
-from mk.layers.common import bf, f32, sigmoid, situ
+from mk.layers.common import bf, f32, rsqrt, sigmoid, situ
 
 
 def route(k, scores_raw, bias):
@@ -116,7 +116,7 @@ def moe(k, m, layer):
         r_sum = f32(all_reduce(k, "moe_routed", r.routed_acc[...]))      # [R, N * lb]
         r.routed_acc[...] = r_sum
         mine = r.routed_acc[:, pl.ds(pl.multiple_of(r.rank[0] * lb, 128), lb)]
-        inv = jnp.sqrt(jnp.sum(r_sum * r_sum, axis=-1, keepdims=True) / cfg.latent + cfg.eps)
-        r_n = bf(mine / inv * k.vec("latent_norm", lb))
+        inv = rsqrt(jnp.sum(r_sum * r_sum, axis=-1, keepdims=True) / cfg.latent + cfg.eps)
+        r_n = bf(mine * inv * k.vec("latent_norm", lb))
         z_routed = ring.matmul(r_n, latent_up)[:, :cfg.dim]                  # partial on a mesh
     return all_reduce(k, "moe_out", z_routed + z_shared)

@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from mk.layers.common import bf, f32, pad_rows
+from mk.layers.common import bf, f32, pad_rows, rsqrt
 
 
 def mix_candidates(cands: Sequence[jax.Array], w: jax.Array, eps: float,
@@ -21,14 +21,14 @@ def mix_candidates(cands: Sequence[jax.Array], w: jax.Array, eps: float,
 
     cands: n arrays [B, d] f32; w [d] or [1, d] f32; valid: optional per-candidate flags (a
     masked candidate gets weight exactly 0, so the kernel can pass a fixed number of snapshot
-    slots). Scores `s_j = (w . v_j) / sqrt(mean(v_j^2) + eps)`; the softmax and the weighted sum
+    slots). Scores `s_j = (w . v_j) * rsqrt(mean(v_j^2) + eps)` (`common.rsqrt`); the softmax and the weighted sum
     run sequentially in candidate order, so any implementation that keeps the order agrees bit
     for bit.
     """
     wf = f32(w).reshape(1, -1)
     scores = []
     for j, v in enumerate(cands):
-        s = jnp.sum(v * wf, axis=-1, keepdims=True) / jnp.sqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+        s = jnp.sum(v * wf, axis=-1, keepdims=True) * rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
         if valid is not None:
             s = jnp.where(valid[j], s, -jnp.inf)
         scores.append(s)                                            # [B, 1]

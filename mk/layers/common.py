@@ -20,10 +20,22 @@ def f32(x: jax.Array) -> jax.Array:
 
 
 def rms(x: jax.Array, gamma: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis in fp32, `x / sqrt(mean(x^2) + eps) * gamma`, cast back to x.dtype."""
+    """RMSNorm over the last axis in fp32, `x * rsqrt(mean(x^2) + eps) * gamma`, cast back to x.dtype."""
     xf = f32(x)
-    y = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * f32(gamma)
+    y = xf * rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * f32(gamma)
     return y.astype(x.dtype)
+
+
+def rsqrt(x: jax.Array) -> jax.Array:
+    """1 / sqrt(x), fp32: normalizers are written `a * rsqrt(b)`, never `a / sqrt(b)`.
+
+    XLA's algebraic simplifier rewrites `a / sqrt(b)` into `a * rsqrt(b)` (another rounding) only
+    where the sqrt has a single user. Whether it does depends on the surrounding graph: in the
+    XLA references common subexpressions merge across layers (an AttnRes snapshot's mean square is
+    the same in every later layer's mix, so its sqrt gains several users and stays a divide),
+    while the kernel reloads the snapshot from VMEM in each layer and gets the rsqrt. Written as
+    rsqrt, the rounding is the same in every context (kernel, reference, sharded reference)."""
+    return jax.lax.rsqrt(f32(x))
 
 
 def sigmoid(x: jax.Array) -> jax.Array:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from mk.config import K3Config
-from mk.layers.common import bf, f32, mm, rms, sigmoid
+from mk.layers.common import bf, f32, mm, rms, rsqrt, sigmoid
 
 QK_NORM_EPS = 1e-6  # added to the squared L2 norm of q and k
 
@@ -36,9 +36,9 @@ def decay(g_raw: jax.Array, a_log: jax.Array, dt_bias: jax.Array, lower_bound: f
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
-    """x / sqrt(||x||^2 + 1e-6) over the last axis, fp32."""
+    """x * rsqrt(||x||^2 + 1e-6) over the last axis, fp32."""
     xf = f32(x)
-    return xf / jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + QK_NORM_EPS)
+    return xf * rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + QK_NORM_EPS)
 
 
 def to_column(row: jax.Array) -> jax.Array:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from mk.config import K3Config
-from mk.layers.common import bf, f32, mm, rms, rows_padded, sigmoid
+from mk.layers.common import F32, bf, f32, mm, rms, rows_padded, sigmoid
 
 BLOCK = 128  # cache positions per online-softmax block (and per kernel DMA)
 
@@ -36,12 +36,17 @@ def project_qkv(a, w: dict, cfg: K3Config):
 def attend_block(q, k_block, v_block, valid, m, l, acc, scale: float):
     """One cache block of the online softmax (spec 1.4.4 step 6), for one head of one row, fp32.
 
-    q [1, Kc] f32; k_block [BLOCK, Kc], v_block [BLOCK, D] (bf16 values); valid [BLOCK, 1] bool;
+    q [1, Kc] f32 (bf16 values); k_block [BLOCK, Kc] bf16, v_block [BLOCK, D] (bf16 values); valid [BLOCK, 1] bool;
     running max m and denominator l [1, 128] (one value on every lane), accumulator acc [1, D]
     -> updated (m, l, acc). Invalid slots count exactly zero, even if they hold NaN. The kernel
     runs this very function on the blocks it DMAs in.
     """
-    s = jnp.where(valid, jnp.sum(f32(k_block) * q, axis=-1, keepdims=True) * scale, -jnp.inf)
+    # The scores as a matmul (bf16 operands, fp32 accumulation, like `common.mm`), not as
+    # sum(f32(k) * q): XLA:CPU sums that reduction in another order when the bf16 -> f32 convert
+    # is fused into it (the kernel, whose block is a fresh VMEM load) than when it is not (the
+    # reference, whose loop-invariant block's convert XLA hoists out of the block loop).
+    s = jax.lax.dot_general(bf(q), k_block, (((1,), (1,)), ((), ())), preferred_element_type=F32).T
+    s = jnp.where(valid, s * scale, -jnp.inf)                                   # [BLOCK, 1]
     m_new = jnp.maximum(m, jnp.max(s, axis=0, keepdims=True))
     p = jnp.exp(s - m_new[:, :1])
     corr = jnp.exp(m - m_new)
