@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "mk.cli.checkpoint",   # synth, logits, load
     "mk.cli.kernel",       # check, aot, compile-time
     "mk.cli.simulate",     # simulate
+    "mk.cli.microbench",   # microbench
     "mk.cli.notebooks",    # notebooks
 ]
 

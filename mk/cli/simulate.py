@@ -37,6 +37,9 @@ def add_parser(subparsers):
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="write the modelled step(s) as Chrome trace-event JSON (Perfetto / XProf); several "
                         "(system, batch, plan) combinations go to FILE-<system>-b<B>-<plan>.json")
+    p.add_argument("--microbench", metavar="CSV", default=None,
+                   help="model with this copy of data/microbench.csv (e.g. one `mk microbench --write` made on "
+                        "a TPU, with the assumed constants measured)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -59,7 +62,8 @@ def _trace_paths(path: str, combos: list[tuple]) -> dict[tuple, str]:
 
 
 def collect(config: str, systems: list[str], batches: list[int], context: int | None = None,
-            straggler: bool = True, plans: tuple[str, ...] = ("seed", "mk"), trace: str | None = None) -> list[dict]:
+            straggler: bool = True, plans: tuple[str, ...] = ("seed", "mk"), trace: str | None = None,
+            microbench: str | None = None) -> list[dict]:
     from mk.config import get_config
     from mk import conventional, hardware, roofline, sim
 
@@ -73,10 +77,10 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
     paths = _trace_paths(trace, [(s, b, p) for s in systems for b in batches for p in plans]) if trace else {}
     out = []
     for name in systems:
-        system = hardware.get_system(name)
+        system = hardware.get_system(name, microbench_csv=microbench)
         rows = []
         for b in batches:
-            r = sim.predict(cfg, b, name, context=ctx, straggler=straggler, plans=plans, record=bool(trace))
+            r = sim.predict(cfg, b, system, context=ctx, straggler=straggler, plans=plans, record=bool(trace))
             row = {k: v for k, v in r.items() if not k.startswith("_")}
             if "seed" in plans:
                 roof = roofline.roofline(cfg, b, ctx, system=system, straggler=straggler,
@@ -102,6 +106,7 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
                                                    if system.program == "per_op" else []),
             "decomposition": conventional.DECOMPOSITION_SOURCE if system.program == "per_op" else None,
             "constants": {k: c.summary() for k, c in system.constants.items()},
+            "microbench": microbench or "data/microbench.csv",
             "rows": rows,
         })
     return out
@@ -153,7 +158,10 @@ def format_table(report: list[dict]) -> str:
         lines.append("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster);"
                      " all times modelled (mk.sim)")
         if rep["assumptions"]:
-            lines.append(f"  assumptions (no measurement behind them): {', '.join(rep['assumptions'])}")
+            lines.append(f"  assumptions (no measurement behind them): {', '.join(rep['assumptions'])}"
+                         + ("; `mk microbench` on a TPU measures the TPU ones" if rep["system"].startswith("tpu") else ""))
+        if rep["microbench"] != "data/microbench.csv":
+            lines.append(f"  constants from: {rep['microbench']}")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -181,10 +189,13 @@ def run(args) -> int:
     systems = [s.strip() for s in args.system.split(",") if s.strip()]
     batches = _batches(args.batch)
     plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
-    report = collect(args.config, systems, batches, args.context, not args.mean_experts, plans, args.trace)
+    report = collect(args.config, systems, batches, args.context, not args.mean_experts, plans, args.trace,
+                     args.microbench)
     if args.sensitivity:
+        from mk.hardware import get_system
         for rep in report:
-            rep["sensitivity"] = sim.sensitivity(get_config(args.config), rep["system"], batches, rep["context"])
+            system = get_system(rep["system"], microbench_csv=args.microbench)
+            rep["sensitivity"] = sim.sensitivity(get_config(args.config), system, batches, rep["context"])
     if args.json:
         for rep in report:
             for r in rep.get("sensitivity", ()):

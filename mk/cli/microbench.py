@@ -1,0 +1,81 @@
+"""`python -m mk microbench`: measure, on a TPU, the constants `mk simulate` otherwise assumes.
+
+On a TPU VM: times the kernels of `mk.microbench` (MXU weight push, DMA latency and streaming,
+vector rates), prints the curves and the constants, and with `--write FILE` writes a copy of
+data/microbench.csv with the measured rows, for `mk simulate --microbench FILE`. Anywhere:
+`--check` runs every kernel once in TPU interpret mode against numpy, and `--compile TOPOLOGY`
+compiles them for a TPU topology on this machine. Nothing is timed off a TPU.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from mk.cli.common import positive_int
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("microbench", help="measure the simulator's assumed TPU constants on a TPU",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true",
+                   help="run each kernel once in TPU interpret mode (CPU) and compare with numpy; no timing")
+    p.add_argument("--compile", metavar="TOPOLOGY", default=None,
+                   help="compile each kernel at its timed size for a TPU topology (e.g. tpu7x:2x2x1); no timing")
+    p.add_argument("--trials", type=positive_int, default=5, help="timed runs per point; the best counts (default 5)")
+    p.add_argument("--write", metavar="CSV", default=None,
+                   help="write data/microbench.csv with the measured tpu-v7 rows to this file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mk import microbench as mb
+    from mk.cli.common import progress
+
+    if args.check or args.compile:
+        out = {}
+        if args.check:
+            out["check"] = mb.check()
+        if args.compile:
+            out["compile"] = mb.compile_all(args.compile)
+        ok = all(r["ok"] for r in out.get("check", ())) and all(r["compiled"] for r in out.get("compile", ()))
+        if args.json:
+            json.dump(out | {"ok": ok}, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            for r in out.get("check", ()):
+                print(f"check   {r['name']:18s} {'ok' if r['ok'] else 'WRONG'}  (max rel. error {r['max_err']:.1e}, interpret mode)")
+            for r in out.get("compile", ()):
+                print(f"compile {r['name']:18s} {'compiled' if r['compiled'] else 'FAILED: ' + str(r['error'])}"
+                      f"  ({args.compile})")
+        return 0 if ok else 1
+
+    bar = progress(desc="microbench", total=len(mb.MXU_ROWS) + len(mb.DMA_SIZES) + 1)
+
+    def step(what):
+        bar.set_postfix_str(what)
+        bar.update(1)
+
+    res = mb.measure(args.trials, step)
+    bar.close()
+    if args.write:
+        res["written"] = str(mb.write_microbench_csv(res["constants"], args.write, mb.source_label(res["device_kind"])))
+    if args.json:
+        json.dump(res, sys.stdout, indent=2, default=float)
+        sys.stdout.write("\n")
+        return 0
+    print(f"measured on {res['device_kind']} (one TensorCore; best of {args.trials} runs per point, "
+          f"time per repeat by difference of two repeat counts)")
+    print(f"MXU [R, {mb.MXU_K}] @ [{mb.MXU_K}, {mb.MXU_N}] bf16 from VMEM:")
+    for rows, r in res["mxu"].items():
+        print(f"  R = {rows:4d}: {r['s'] * 1e6:8.2f} us per matmul  (as if {r['push_rows']:6.1f} rows at peak)")
+    print("DMA HBM -> VMEM:")
+    for nbytes, r in res["dma"].items():
+        print(f"  {nbytes >> 10:5d} KiB: one at a time {r['s_one_at_a_time'] * 1e6:8.2f} us, "
+              f"{mb.DMA_INFLIGHT} in flight {r['stream_bw'] / 1e12:5.2f} TB/s")
+    print("constants (data/microbench.csv rows, tpu-v7):")
+    for k, v in res["constants"].items():
+        print(f"  {k:24s} {v:.4g}")
+    if args.write:
+        print(f"wrote {res['written']}: model with it by `python -m mk simulate --microbench {res['written']}`")
+    return 0
