@@ -60,22 +60,32 @@ _TRIM = None
 def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
     """Device arrays the kernel reads: packed tiles, experts, vector tables, the embedding.
 
-    On a mesh each device gets its own share (`pack_weights(plan, params, rank)`), stacked along
-    the leading axis and placed by `NamedSharding(mesh, P(ALL))`. On one device `params` may be
-    `mk.checkpoint.Checkpoint.lazy_params(...)`: slots are then read as they are packed, and host
-    memory holds the packed arrays (handed to JAX without a copy on CPU) plus one layer's work."""
+    On a mesh each device gets its own share (`pack_weights(plan, params, rank)`), the blocks of
+    one global array per name, sharded along the leading axis by `NamedSharding(mesh, P(ALL))`.
+    Shares are packed one rank at a time and only for this process's devices, each put on its
+    device before the next is packed: a host never holds more than one share of packed weights
+    beyond what its devices hold. `params` may be `mk.checkpoint.Checkpoint.lazy_params(...)`:
+    slots are then read as they are packed, and host memory holds the packed arrays (handed to JAX
+    without a copy on CPU) plus one layer's work."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from mk.sharding import ALL
 
     mesh = mesh if mesh is not None else default_mesh(plan)
-    shares = [pack_weights(plan, params, r) for r in range(plan.devices)]
-    place = lambda x: jax.device_put(x, NamedSharding(mesh, P(ALL)))
-    out = {}
-    for k in list(shares[0]):       # one array at a time, each share's copy dropped once placed
-        parts = [s.pop(k) for s in shares]
-        out[k] = jax.block_until_ready(place(parts[0] if len(parts) == 1 else np.concatenate(parts)))
-        del parts
-    out["embed"] = place(np.asarray(params["embed"]))
+    sharding = NamedSharding(mesh, P(ALL))
+    N = plan.devices
+    rank_of = {d: (idx[0].start or 0) for d, idx in sharding.addressable_devices_indices_map((N,)).items()}
+    blocks: dict[str, list] = {}
+    shapes: dict[str, tuple] = {}
+    for dev, rank in sorted(rank_of.items(), key=lambda kv: kv[1]):
+        share = pack_weights(plan, params, rank)
+        for k in list(share):       # each array dropped from the share once it is on its device
+            x = share.pop(k)
+            shapes[k] = x.shape
+            blocks.setdefault(k, []).append(jax.block_until_ready(jax.device_put(x, dev)))
+            del x
+    out = {k: jax.make_array_from_single_device_arrays((N * shapes[k][0],) + shapes[k][1:], sharding, v)
+           for k, v in blocks.items()}
+    out["embed"] = jax.device_put(np.asarray(params["embed"]), sharding)
     return jax.block_until_ready(out)
 
 
