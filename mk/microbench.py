@@ -41,6 +41,12 @@ from jax.experimental.pallas import tpu as pltpu
 from mk.errors import UserError
 
 MXU_ROWS = (16, 32, 64, 128, 256, 512)
+# (x, w) dtypes timed at R = DTYPE_ROWS (fp8 rows come in 32-row tiles) besides bf16 x bf16: does a
+# weight push of the fp8 path
+# (spec 3.5: bf16 activations x fp8 weights) cost half a bf16 one, as `peak(fp8)` assumes?
+MXU_DTYPES = {"bf16": ("bfloat16", "bfloat16"), "bf16xfp8": ("bfloat16", "float8_e4m3fn"),
+              "fp8": ("float8_e4m3fn", "float8_e4m3fn")}
+DTYPE_ROWS = 32
 MXU_K, MXU_N = 4096, 512                  # 4 MiB of bf16 weights: 32 weight tiles of 256 x 256
 DMA_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 DMA_INFLIGHT = 4
@@ -60,7 +66,7 @@ def _mxu_kernel(x_ref, w_ref, o_ref, *, reps: int, rows: int):
     # x_ref: [2 R, K] bf16 VMEM   w_ref: [K, N] bf16 VMEM   o_ref: [R, N] f32 VMEM
     def body(i, acc):
         # alternate the LHS half so the product is not loop-invariant (nothing to hoist)
-        start = pl.multiple_of((i % 2) * rows, 16)
+        start = pl.multiple_of((i % 2) * rows, rows)
         x = x_ref[pl.ds(start, rows), :]
         return acc + jnp.dot(x, w_ref[...], preferred_element_type=jnp.float32)
 
@@ -69,9 +75,11 @@ def _mxu_kernel(x_ref, w_ref, o_ref, *, reps: int, rows: int):
 
 
 def mxu_call(rows: int, reps: int, k: int = MXU_K, n: int = MXU_N, interpret=False):
-    """`f(x [2 rows, k] bf16, w [k, n] bf16) -> [rows, n] f32`: reps x (one half of x) @ w, summed."""
-    if rows % 16 or k % 256 or n % 256:
-        raise MicrobenchError(f"mxu: rows must be a multiple of 16 and k, n of 256, found {rows}, {k}, {n}")
+    """`f(x [2 rows, k], w [k, n]) -> [rows, n] f32`: reps x (one half of x) @ w, summed; x and w
+    bf16, or float8_e4m3fn (`MXU_DTYPES`: the seed's fp8 expert path)."""
+    if rows % 16 or rows & (rows - 1) or k % 256 or n % 256:
+        raise MicrobenchError(f"mxu: rows must be a power of two >= 16 and k, n multiples of 256; found "
+                              f"{rows}, {k}, {n}")
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     return pl.pallas_call(
         partial(_mxu_kernel, reps=reps, rows=rows),
@@ -186,6 +194,11 @@ def cases(small: bool = False) -> list[tuple[str, object, tuple]]:
         x = rng.standard_normal((2 * rows, k)).astype(jnp.bfloat16)
         w = rng.standard_normal((k, n)).astype(jnp.bfloat16)
         out.append((f"mxu.r{rows}", partial(_mxu_reps, rows, k, n), (x, w)))
+    for name, (xd, wd) in MXU_DTYPES.items():
+        if name != "bf16":
+            x = rng.standard_normal((2 * DTYPE_ROWS, k)).astype(xd)
+            w = rng.standard_normal((k, n)).astype(wd)
+            out.append((f"mxu.{name}.r{DTYPE_ROWS}", partial(_mxu_reps, DTYPE_ROWS, k, n), (x, w)))
     for nbytes in ((4096, 8192) if small else DMA_SIZES):
         src = rng.standard_normal((CHECK_REPS["dma"], nbytes // 512, 128)).astype(np.float32)
         for inflight in (1, DMA_INFLIGHT) if not small else (1, 2):
@@ -270,12 +283,17 @@ def measure(trials: int = 5, progress=None) -> dict:
     rng = np.random.default_rng(0)
     step = progress or (lambda what: None)
     out = {"device_kind": dev.device_kind, "peak_bf16_flops": peak, "mxu": {}, "dma": {}, "vector": {}}
-    w = jnp.asarray(rng.standard_normal((MXU_K, MXU_N)), jnp.bfloat16)
-    for rows in MXU_ROWS:
-        step(f"mxu R={rows}")
-        x = jnp.asarray(rng.standard_normal((2 * rows, MXU_K)), jnp.bfloat16)
-        t = per_repeat(lambda reps: mxu_call(rows, reps), (x, w), *TIMED_REPS["mxu"], trials)
-        out["mxu"][rows] = {"s": t, "push_rows": push_rows(t, MXU_K, MXU_N, peak)}
+    for name, make, args in cases(small=False):
+        if not name.startswith("mxu"):
+            continue
+        step(name)
+        t = per_repeat(lambda reps: make(reps), tuple(jnp.asarray(a) for a in args), *TIMED_REPS["mxu"], trials)
+        if name.count(".") == 1:                                     # bf16 x bf16 at R rows
+            out["mxu"][int(name[5:])] = {"s": t, "push_rows": push_rows(t, MXU_K, MXU_N, peak)}
+        else:
+            out.setdefault("mxu_dtypes", {})[name.split(".")[1]] = {"s": t}
+    for name, r in out.get("mxu_dtypes", {}).items():
+        r["vs_bf16"] = r["s"] / out["mxu"][DTYPE_ROWS]["s"]
     single, stream = [], []
     for nbytes in DMA_SIZES:
         step(f"dma {nbytes >> 10} KiB")

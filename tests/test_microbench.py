@@ -28,7 +28,8 @@ def test_expected_values_catch_a_wrong_kernel():
 
 def test_kernels_compile_for_tpu7x_at_their_timed_sizes():
     rows = mb.compile_all("tpu7x:2x2x1")
-    assert len(rows) == len(mb.MXU_ROWS) + 2 * len(mb.DMA_SIZES) + 2
+    assert len(rows) == len(mb.MXU_ROWS) + len(mb.MXU_DTYPES) - 1 + 2 * len(mb.DMA_SIZES) + 2
+    assert {"mxu.bf16xfp8.r32", "mxu.fp8.r32"} <= {r["name"] for r in rows}   # the seed's fp8 expert path
     assert all(r["compiled"] for r in rows), [r for r in rows if not r["compiled"]]
 
 
@@ -69,3 +70,29 @@ def test_a_row_the_csv_lacks_is_an_error(tmp_path):
 def test_timing_off_a_tpu_is_refused(capsys):
     assert main(["microbench"]) == 2
     assert "times kernels on a TPU" in capsys.readouterr().err
+
+
+def test_measure_turns_timings_into_the_constants(monkeypatch, tmp_path):
+    """`measure`'s bookkeeping on a fake TPU whose per-repeat times follow the model's formulas
+    (push 128 rows; 0.8 us + S / 2.5 TB/s per copy): the fits give those constants back."""
+    peak = hw.get_system("tpu-v7x16").peak_flops("bf16")
+
+    def fake_per_repeat(make, args, n1, n2, trials=5):
+        if len(args) == 2:                                   # mxu: x [2 R, K], w [K, N]
+            rows, (k, n) = args[0].shape[0] // 2, args[1].shape
+            return 2 * max(rows, 128) * k * n / peak / (2 if args[1].dtype.itemsize == 1 else 1)
+        if args[0].ndim == 3:                                # dma: src [copies, S / 512, 128]
+            return 0.8e-6 + args[0].shape[1] * 512 / 2.5e12
+        return 1e-6                                          # vector
+
+    monkeypatch.setattr(mb.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(mb, "per_repeat", fake_per_repeat)
+    res = mb.measure(trials=1)
+    c = res["constants"]
+    assert c["mxu_push_rows"] == pytest.approx(128)
+    assert res["mxu"][512]["push_rows"] == pytest.approx(512)          # rows cost past the push
+    assert res["mxu_dtypes"]["bf16xfp8"]["vs_bf16"] == pytest.approx(0.5)
+    assert c["dma_descriptor_latency"] == pytest.approx(0.8e-6)
+    assert c["vector_flops"] == pytest.approx(2 * mb.FMAS * mb.VEC_ROWS * mb.VEC_COLS / 1e-6)
+    path = mb.write_microbench_csv(c, tmp_path / "mb.csv", mb.source_label(res["device_kind"]))
+    assert hw.load_microbench(path).get("tpu-v7", "mxu_push_rows") == pytest.approx(128)

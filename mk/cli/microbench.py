@@ -50,7 +50,7 @@ def run(args) -> int:
                       f"  ({args.compile})")
         return 0 if ok else 1
 
-    bar = progress(desc="microbench", total=len(mb.MXU_ROWS) + len(mb.DMA_SIZES) + 1)
+    bar = progress(desc="microbench", total=len(mb.MXU_ROWS) + len(mb.MXU_DTYPES) - 1 + len(mb.DMA_SIZES) + 1)
 
     def step(what):
         bar.set_postfix_str(what)
@@ -69,6 +69,8 @@ def run(args) -> int:
     print(f"MXU [R, {mb.MXU_K}] @ [{mb.MXU_K}, {mb.MXU_N}] bf16 from VMEM:")
     for rows, r in res["mxu"].items():
         print(f"  R = {rows:4d}: {r['s'] * 1e6:8.2f} us per matmul  (as if {r['push_rows']:6.1f} rows at peak)")
+    for name, r in res.get("mxu_dtypes", {}).items():
+        print(f"  {name:>8s} at R = {mb.DTYPE_ROWS}: {r['s'] * 1e6:8.2f} us per matmul = {r['vs_bf16']:.2f}x bf16's")
     print("DMA HBM -> VMEM:")
     for nbytes, r in res["dma"].items():
         print(f"  {nbytes >> 10:5d} KiB: one at a time {r['s_one_at_a_time'] * 1e6:8.2f} us, "
