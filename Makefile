@@ -1,7 +1,8 @@
 # mk: the two commands of the README, and what they need.
 #   make run   - execute every notebook headless (papermill) on the mini config -> runs/<timestamp>/
 #   make test  - the whole test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval)
-#   make check-sharded - the sharded kernel vs the sharded reference, 8 steps, every batch / DMA mode / mesh (~25 min)
+#   make check-sharded - the sharded kernel vs the sharded reference, 8 steps: every batch in both DMA modes on 8
+#                        devices, MXFP4 experts on both MXU paths, 4 and 2 devices (~20 min)
 #   make lab   - open the notebooks interactively in JupyterLab (LAB_ARGS="--no-browser --ip=0.0.0.0" on a VM)
 PYTHON ?= python3
 VENV   := .venv
@@ -48,11 +49,11 @@ test: $(STAMP) browser
 	fi
 
 # The full interpret-mode matrix of the sharded step (make test runs a few of these cases, fewer steps).
-SHARDED_CASES ?= 8:1:on_wait 8:2:on_wait 8:4:on_wait 8:8:on_wait 8:1:eager 8:8:eager 4:4:on_wait 4:1:eager 2:2:on_wait 2:8:eager
+SHARDED_CASES ?= 8:1:on_wait:bf16 8:2:on_wait:bf16 8:4:on_wait:bf16 8:8:on_wait:bf16 8:1:eager:bf16 8:2:eager:bf16 8:4:eager:bf16 8:8:eager:bf16 8:1:on_wait:fp8 8:8:eager:fp8 4:4:on_wait:bf16 4:1:eager:fp8 2:2:on_wait:bf16 2:8:eager:bf16
 check-sharded: $(STAMP)
 	@for c in $(SHARDED_CASES); do set -- $$(echo $$c | tr : ' '); \
-	  echo "== mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --steps 8"; \
-	  $(PY) -m mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --steps 8 || exit 1; \
+	  echo "== mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8"; \
+	  $(PY) -m mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8 || exit 1; \
 	done
 
 clean:

@@ -125,7 +125,7 @@ def bf16_scale_ulp(x) -> float:
 def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | None = None, *,
           seed: int = 0, ctx: int = 256, detect_races: bool = True, dma_execution_mode: str = "on_wait",
           params=None, prompt_len: int = 3, progress: bool = False, mesh: int = 1,
-          experts: str | None = None, all_reduce: str = "one_round") -> dict:
+          experts: str | None = None, all_reduce: str = "one_round", mxfp4_matmul: str = "bf16") -> dict:
     """mesh > 1: the sharded kernel on `mesh` devices against the sharded reference
     (`mk.reference_sharded`) on the same mesh, which rounds its partial sums the same way.
 
@@ -133,14 +133,16 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     `mk.checkpoint.load(..., experts="mxfp4")`, or `mk.params.init` quantized as `mk synth` writes
     it); the reference runs on their dequantization (`mk.checkpoint.dequantize_experts`), the
     oracle. "bf16": bf16 expert tiles. Default: the format `params` holds (bf16 for init params).
-    all_reduce: the kernel's all-reduce rounds (`mk.plan.ScheduleOptions.all_reduce`)."""
+    all_reduce: the kernel's all-reduce rounds (`mk.plan.ScheduleOptions.all_reduce`).
+    mxfp4_matmul: how MXFP4 experts meet the MXU (`ScheduleOptions.mxfp4_matmul`); the reference
+    sums the expert matmuls as the kernel does (`mk.kernel.expert_k_chunk`)."""
     from mk import params as params_mod
     from mk import reference
     from mk.kernel import interpret_params, make_step_fn, on_tpu
     from jax.experimental.pallas import tpu as pltpu
 
     from mk.checkpoint import dequantize_experts
-    from mk.kernel import experts_format
+    from mk.kernel import expert_k_chunk, experts_format
 
     params = params if params is not None else params_mod.init(cfg, seed)
     experts = experts or experts_format(params)
@@ -148,7 +150,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         from mk.synth import mxfp4_params
         params = mxfp4_params(cfg, seed, params)[0]
     interp = None if on_tpu() else interpret_params(detect_races, dma_execution_mode)
-    kw = {"experts": experts, "options": dataclasses.replace(MK, all_reduce=all_reduce)}
+    kw = {"experts": experts, "options": dataclasses.replace(MK, all_reduce=all_reduce, mxfp4_matmul=mxfp4_matmul)}
     if prefetch_depth is not None:
         kw["prefetch_depth"] = prefetch_depth
     step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, mesh=mesh, **kw)
@@ -157,10 +159,10 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     if mesh > 1:
         from mk import reference_sharded as rs
         ref_params = rs.shard_params(params, step_fn.mesh)
-        ref_step = rs.step_fn_for(cfg, step_fn.mesh)
+        ref_step = rs.step_fn_for(cfg, step_fn.mesh, expert_k_chunk(plan))
     else:
         ref_params = params
-        ref_step = lambda p, c, t: reference.decode_step(p, c, t, cfg=cfg)
+        ref_step = lambda p, c, t: reference.decode_step(p, c, t, cfg=cfg, expert_k_chunk=expert_k_chunk(plan))
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, cfg.vocab, (batch, max(1, min(prompt_len, steps))), dtype=np.int32)
 
@@ -233,7 +235,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
         "cache_max_abs_err_by_array": cache_by_array, "cache_max_bf16_ulps_by_array": cache_ulps,
         "cache_scale_ulp": cache_ulp,
         "replicated_bit_identical": not replicated_diff, "replicated_diff": replicated_diff,
-        "devices": plan.devices, "all_reduce": plan.options.all_reduce,
+        "devices": plan.devices, "all_reduce": plan.options.all_reduce, "mxfp4_matmul": plan.options.mxfp4_matmul,
         "collectives_per_step": plan.collectives_per_step,
         "remote_bytes_per_step": plan.remote_bytes_per_step, "races": races, "nan": bool(nan_arrays),
         "nan_arrays": nan_arrays, "pallas_calls_per_step": n_calls, "dma_execution_mode": dma_execution_mode,

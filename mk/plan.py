@@ -102,8 +102,8 @@ def padded_bytes(shape: Sequence[int], itemsize: int) -> int:
             * round_up(lanes, 128) * itemsize)
 
 
-F32, BF16, I32 = "float32", "bfloat16", "int32"
-ITEMSIZE = {F32: 4, BF16: 2, I32: 4}
+F32, BF16, I32, F8 = "float32", "bfloat16", "int32", "float8_e4m3fn"
+ITEMSIZE = {F32: 4, BF16: 2, I32: 4, F8: 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +388,7 @@ class ScheduleOptions:
             raise PlanError("ScheduleOptions: whole-expert slots move whole matrices (dma='matrix')")
 
     # Options the kernel executes either way (every other field must be MK's).
-    KERNEL_FREE = ("message_rows", "all_reduce")
+    KERNEL_FREE = ("message_rows", "all_reduce", "mxfp4_matmul")
 
     @property
     def kernel(self) -> bool:
@@ -469,6 +469,7 @@ class Phase:
     rows: int = 0                    # matmul LHS rows
     vector_bytes: int = 0            # VMEM traffic of vector work (elementwise passes)
     hbm_bytes: int = 0               # non-weight HBM traffic the phase reads itself (caches, states)
+    hbm_lead: int = 0                # ... issued when the phase `hbm_lead` phases earlier starts (0: at its own)
     writeback_bytes: int = 0         # ... and writes back asynchronously when it ends
     collective_bytes: int = 0        # bytes this device sends in a collective phase
     link: str = "ici"                # a collective's link
@@ -773,8 +774,12 @@ class Plan:
                 VM("scale_slots", (S, m.scale_rows, self.tile_n), I32),      # [S, TK/128, TN] E8M0 x 4
                 DMA("code_sems", (S,)),
                 DMA("scale_sems", (S,)),
-                VM("dequant", (self.tile_k, self.tile_n), BF16),             # the tile, bf16 [TK, TN]
             ]
+            if self.options.mxfp4_matmul == "fp8":   # fp8 path: e4m3 tile, block-diagonal LHS (spec 3.5)
+                b += [VM("dequant", (self.tile_k, self.tile_n), F8),               # the tile, e4m3 [TK, TN]
+                      VM("mx_lhs", (self.tile_k // MX_GROUP * R, self.tile_k), BF16)]  # [TK/32 * R, TK]
+            else:
+                b += [VM("dequant", (self.tile_k, self.tile_n), BF16)]       # the tile, bf16 [TK, TN]
         if N > 1:   # collectives (mk.kernel.collectives): double-buffered by parity, one landing slot per rank
             b += [
                 VM("landing", (2, N, M, W), BF16),                           # [parity, source, row, lane]

@@ -24,7 +24,7 @@ import numpy as np
 
 from mk.config import K3Config
 from mk.layers.attn_res import mix
-from mk.layers.common import BF16, F32, bf, mm, rms, rows_padded
+from mk.layers.common import BF16, F32, K_CHUNK, bf, mm, rms, rows_padded
 from mk.layers.dense_mlp import dense_mlp
 from mk.layers.kda import kda_tokens
 from mk.layers.mla import mla_tokens
@@ -51,12 +51,13 @@ def layer_slice(tree: dict, i: int) -> dict:
     return {k: v[i] for k, v in tree.items()}
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def decode_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config):
+@functools.partial(jax.jit, static_argnames=("cfg", "expert_k_chunk"))
+def decode_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, expert_k_chunk: int = K_CHUNK):
     """tokens [B] int32 -> (logits [B, V] f32, cache advanced by one position).
 
-    The one-token case of `verify_step` (T = 1, the only row accepted)."""
-    logits, block = run_block(params, cache, tokens[:, None], cfg)
+    The one-token case of `verify_step` (T = 1, the only row accepted). expert_k_chunk: the routed
+    experts' matmul slice depth, the kernel's (`mk.kernel.expert_k_chunk`)."""
+    logits, block = run_block(params, cache, tokens[:, None], cfg, expert_k_chunk=expert_k_chunk)
     return logits[:, 0], commit(cache, block, jnp.zeros_like(cache["pos"]))
 
 
@@ -84,7 +85,8 @@ def commit(cache: dict, block: dict, count: jax.Array) -> dict:
             "conv_state": pick(block["conv_state"]), "mla_k": block["mla_k"], "mla_v": block["mla_v"]}
 
 
-def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_layers: Sequence[int] = ()):
+def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_layers: Sequence[int] = (),
+              expert_k_chunk: int = K_CHUNK):
     """T consecutive tokens per row through the model: tokens [B, T] -> (logits [B, T, V] f32, block).
 
     block: kda_state [B, T, n_kda, H, D, D] and conv_state [B, T, n_kda, 3, C-1, HD] (the states
@@ -122,7 +124,8 @@ def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_l
         p = y if cfg.starts_block(l) else bf(p + y)
         x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps, cfg.n_blocks)
         m = rows_padded(rms, x, lw["ffn_norm"], cfg.eps)
-        z = dense_mlp(m, params["dense"], cfg) if l == 0 else moe(m, layer_slice(params["moe"], l - 1), cfg)
+        z = dense_mlp(m, params["dense"], cfg) if l == 0 else moe(m, layer_slice(params["moe"], l - 1), cfg,
+                                                                  expert_k_chunk)
         p = bf(p + z)
     logits = final_logits(params, p, blocks, cfg).reshape(B, T, -1)
     order = [sorted(aux_layers).index(l) for l in aux_layers]      # aux in the caller's order

@@ -108,14 +108,17 @@ def _latent_blocks(x, n: int, axis: int):
     return jnp.moveaxis(x, -1, axis)
 
 
-def _tiled_mm(x, w):
+def _tiled_mm(x, w, k_chunk: int = K_CHUNK):
     """`x @ w` as the kernel's ring runs it: x [rows, K] bf16, w [K, N] -> [rows, N] f32, with K
     zero-padded to whole K_CHUNK tiles and N cut into TILE_N-wide column tiles, each column tile
-    summing its K tiles in order (`mk.kernel.ring.WeightRing.matmul`)."""
+    summing its K slices (`k_chunk` deep) in order (`mk.kernel.ring.WeightRing.matmul`)."""
     rows, K = x.shape
     N = w.shape[1]
     kp, np_ = -K % K_CHUNK, -N % TILE_N
     x, w = jnp.pad(pad_rows(x), ((0, 0), (0, kp))), jnp.pad(w, ((0, kp), (0, np_)))
+    if k_chunk != K_CHUNK:                     # the same column tiles, summed over thinner slices
+        return jnp.concatenate([mm(x, w[:, j:j + TILE_N], k_chunk) for j in range(0, N + np_, TILE_N)],
+                               1)[:rows, :N]
     cols = []
     for j in range(0, N + np_, TILE_N):
         acc = None
@@ -126,7 +129,7 @@ def _tiled_mm(x, w):
     return jnp.concatenate(cols, 1)[:rows, :N]
 
 
-def _routed_experts(latent, coef, w1, w3, w2, cfg: K3Config):
+def _routed_experts(latent, coef, w1, w3, w2, cfg: K3Config, k_chunk: int = K_CHUNK):
     """This rank's routed experts, expert by expert as the kernel runs them: every row through each
     local expert in ascending id, weighted by its routing coefficient (exactly 0 where the row did
     not choose the expert, which adds nothing), accumulated in fp32.
@@ -139,15 +142,15 @@ def _routed_experts(latent, coef, w1, w3, w2, cfg: K3Config):
 
     def expert(acc, xs):
         c, gu_e, w2_e = xs
-        gu = _tiled_mm(latent, gu_e)
+        gu = _tiled_mm(latent, gu_e, k_chunk)
         h = situ(bf(gu[:, :fe]), bf(gu[:, lanes:lanes + fe]), cfg.situ_beta, cfg.situ_linear_beta)
-        return acc + c[:, None] * f32(bf(_tiled_mm(h, w2_e))), None
+        return acc + c[:, None] * f32(bf(_tiled_mm(h, w2_e, k_chunk))), None
 
     acc, _ = jax.lax.scan(expert, jnp.zeros(latent.shape, F32), (coef, gu_w, w2))
     return acc
 
 
-def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):
+def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int, expert_k_chunk: int = K_CHUNK):
     """`mk.layers.moe.moe` on this rank's share -> (z [B, d] bf16, (ids [B, k], route margin [B])).
 
     The latent space uses the kernel's gathered layout (`_latent_blocks`): [B, n * block]."""
@@ -160,7 +163,7 @@ def _moe_local(m, w: dict, cfg: K3Config, n: int, ep: int):
     local_ids = first + jnp.arange(e_local)
     coef = jnp.sum(jnp.where(ids[None] == local_ids[:, None, None], weights[None], 0.0), axis=-1)   # [E_local, B]
     w1, w3 = (_latent_blocks(w[k], n, axis=1) for k in ("w1", "w3"))
-    acc = _routed_experts(latent, coef, w1, w3, _latent_blocks(w["w2"], n, axis=2), cfg)
+    acc = _routed_experts(latent, coef, w1, w3, _latent_blocks(w["w2"], n, axis=2), cfg, expert_k_chunk)
     r_sum = f32(bf(reduce_bf16(acc)))                            # [B, Lp], every rank's full latent
     gamma = jax.lax.all_gather(w["latent_norm"], ALL, axis=0, tiled=True)   # full width, exact
     x = pad_rows(r_sum)
@@ -196,7 +199,7 @@ def _embed_local(embed, tokens, n: int):
     return bf(reduce_bf16(jnp.where(owned[:, None], f32(x), 0.0)))
 
 
-def _step_local(params, cache, tokens, *, cfg: K3Config, n: int, ep: int):
+def _step_local(params, cache, tokens, *, cfg: K3Config, n: int, ep: int, expert_k_chunk: int = K_CHUNK):
     """One rank's decode step (mirrors `mk.reference.decode_step`)."""
     lcfg = cfg.replace(heads=cfg.heads // n)
     pos = cache["pos"]
@@ -224,7 +227,7 @@ def _step_local(params, cache, tokens, *, cfg: K3Config, n: int, ep: int):
         if l == 0:
             z = _dense_local(m, params["dense"], cfg)
         else:
-            z, ids = _moe_local(m, layer_slice(params["moe"], l - 1), cfg, n, ep)
+            z, ids = _moe_local(m, layer_slice(params["moe"], l - 1), cfg, n, ep, expert_k_chunk)
             routing.append(ids)
         p = bf(p + z)
     h = mix(p, blocks, params["output_res"], cfg.eps)
@@ -251,7 +254,7 @@ def mesh_for(cfg: K3Config, devices: int, ep: int | None = None, device_list=Non
 
 
 @functools.lru_cache(maxsize=None)
-def make_sharded_step(cfg: K3Config, mesh, *, trace: bool = False):
+def make_sharded_step(cfg: K3Config, mesh, *, trace: bool = False, expert_k_chunk: int = K_CHUNK):
     """A jitted `step(params, cache, tokens) -> (logits [B, V] f32 sharded over vocab, cache)`.
 
     params / cache: global arrays (any placement; `shard_params` / `shard_cache` put them where
@@ -260,13 +263,14 @@ def make_sharded_step(cfg: K3Config, mesh, *, trace: bool = False):
     "margin": [N, n_moe, B]}: every rank's own copy of the final residual p and of its routing
     decisions (which must agree bit for bit), and each row's router margin per MoE layer (the gap
     between the k-th and (k+1)-th biased score: a near-zero margin is a routing near-tie).
+    expert_k_chunk: the routed experts' matmul slice depth, the kernel's (`mk.kernel.expert_k_chunk`).
     """
     sharding.check_layout(cfg, _layout_of(mesh))
     n, ep = mesh.size, mesh.shape["ep"]
     from mk.params import shapes
     pspecs = sharding.param_specs(shapes(cfg))
     cspecs = sharding.cache_specs(init_cache_abstract(cfg))
-    body = functools.partial(_step_local, cfg=cfg, n=n, ep=ep)
+    body = functools.partial(_step_local, cfg=cfg, n=n, ep=ep, expert_k_chunk=expert_k_chunk)
     out_specs = (P(None, ALL), cspecs, {"p": P(ALL), "ids": P(ALL), "margin": P(ALL)})
     f = jax.shard_map(body, mesh=mesh, in_specs=(pspecs, cspecs, P()), out_specs=out_specs,
                       check_vma=False)
@@ -336,11 +340,11 @@ def gather(x) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # Drivers for the commands (`mk logits --mesh N`, `mk generate --mesh N`)
 # --------------------------------------------------------------------------------------------
-def step_fn_for(cfg: K3Config, mesh):
+def step_fn_for(cfg: K3Config, mesh, expert_k_chunk: int = K_CHUNK):
     """A `step_fn(params, cache, tokens)` for `mk.reference.generate`: places host / single-device
     caches and tokens on the mesh first (params must already be placed: `shard_params` or
     `mk.checkpoint.load_sharded`)."""
-    step = make_sharded_step(cfg, mesh)
+    step = make_sharded_step(cfg, mesh, expert_k_chunk=expert_k_chunk)
     want = NamedSharding(mesh, P())
 
     def step_fn(params, cache, tokens):

@@ -223,8 +223,9 @@ def schedule(plan, distinct_experts: list[float]):
                         vector(l, "mla_commit", 0, 2 * block, hbm_bytes=block, writeback_bytes=block)
                     else:
                         vector(l, "mla_cache_write", 0, 0, writeback_bytes=B * H * (c.k_cache_dim + D) * 2)
-                else:
-                    kw = dict(hbm_bytes=state_bytes) if not look else dict(consumes=(l, "kda.state"))
+                else:       # mk's kernel starts the state read at KDA entry, before the projections
+                    kw = (dict(hbm_bytes=state_bytes, hbm_lead=len(b.phases) - am - 1) if not look
+                          else dict(consumes=(l, "kda.state")))
                     vector(l, "kda_recurrence", B * H * D * D * 10 + B * 3 * H * D * (c.conv_size * 2 + 8),
                            6 * state_bytes, writeback_bytes=state_bytes, **kw)
                 if seed:

@@ -16,9 +16,9 @@ Two parts:
 - `PhaseExecutor`: runs the phases strictly in order on one core. An MXU phase consumes its DMAs
   one by one ("units": unit j computes its share of the phase, by bytes, once its DMA has landed
   and unit j-1 is done, then frees its slot), so a 100-tile matmul streams through a 4-slot ring.
-  A phase that reads caches/states (`hbm_bytes`) ends no earlier than that stream; a collective
-  phase is one transfer on its link; a `pipelined` phase (a GPU kernel) ends at max(start +
-  compute, its last byte landed). Phase costs (`Machine.costs`): MXU `2 * rows_eff * K * N /
+  A phase that reads caches/states (`hbm_bytes`, issued `hbm_lead` phases earlier) ends no
+  earlier than that stream; a collective phase is one transfer on its link; a `pipelined` phase
+  (a GPU kernel) ends at max(start + compute, its last byte landed). Phase costs (`Machine.costs`): MXU `2 * rows_eff * K * N /
   peak(dtype)` with `rows_eff = max(round_up(rows, mxu_min_rows), mxu_push_rows)` (decode matmuls
   are weight-push bound, spec App. B.1), plus in-VMEM dequantization ops at the vector rate; vector
   phases `max(ops / vector_flops, bytes / vector_bw)`; a named fixed cost (routing, spec App. B.6).
@@ -299,6 +299,11 @@ class PhaseExecutor:
         self.kernel_ready = 0.0
         self.issuer: _Issuer | None = None
         self.inflight: dict[int, list] = {}      # phase index -> collectives it must wait for
+        self.leads: dict[int, list] = {}         # phase index -> later phases whose hbm read it issues
+        for q, ph in enumerate(phases):
+            if ph.hbm_bytes and ph.hbm_lead:
+                self.leads.setdefault(max(0, q - ph.hbm_lead), []).append(q)
+        self.early: dict[int, Transfer] = {}     # phase index -> its hbm read, issued by an earlier phase
         self.current_since = 0.0                 # when the current phase became current
         self._reset()
 
@@ -336,9 +341,14 @@ class PhaseExecutor:
             if ph.overlap:                       # in flight while the next phases run
                 self.inflight.setdefault(self.p + ph.overlap + 1, []).append((self.stream, lat, ph.collective_bytes / bw))
             return
+        for q in self.leads.pop(self.p, ()):      # later phases' cache / state reads issued now
+            self.early[q] = Transfer(("h", q), f"L{self.ph[q].layer}:{self.ph[q].name}:cache", self.ph[q].hbm_bytes)
+            self.eng["dma"].start(self.early[q], now)
         if ph.hbm_bytes:
-            self.stream = Transfer(("h", self.p), f"L{ph.layer}:{ph.name}:cache", ph.hbm_bytes)
-            self.eng["dma"].start(self.stream, now)
+            self.stream = self.early.pop(self.p, None)
+            if self.stream is None:
+                self.stream = Transfer(("h", self.p), f"L{ph.layer}:{ph.name}:cache", ph.hbm_bytes)
+                self.eng["dma"].start(self.stream, now)
         units = self.units[self.p]
         tot = sum(tr.bytes for tr in units)
         self.shares = [tr.bytes / tot if tot > 0 else 1.0 / len(units) for tr in units] or [1.0]
@@ -632,8 +642,10 @@ def mk_plan(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAUL
 
 def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT) -> tuple[Plan, dict]:
     """`mk_plan` with MXFP4 experts, or with bf16 expert tiles where `make_plan` refuses MXFP4 for the
-    layout (then `info["note"]` says why), and with the all-reduce rounds (one or two, both run by
-    the kernel) that the model finds faster for this batch; `info` describes the plan."""
+    layout (then `info["note"]` says why), and with the kernel's free choices (`MK_CHOICES`: the
+    all-reduce rounds, how MXFP4 tiles meet the MXU; the kernel runs every combination) that the
+    model finds fastest for this batch; `info` describes the plan."""
+    import itertools
     note, experts = "", "mxfp4"
     try:
         mk_plan(cfg, batch, system, context)
@@ -643,19 +655,28 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
         experts = "bf16"
         note = f"MXFP4 experts refused for this layout ({e}); modelled with bf16 expert tiles"
     s = _system(system)
-    plans = [mk_plan(cfg, batch, s, context, experts=experts, options=dataclasses.replace(MK, all_reduce=a))
-             for a in ScheduleOptions.CHOICES["all_reduce"]]
-    step = {p.options.all_reduce: simulate(p, Machine.from_system(s),
-                                           distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time
-            for p in plans}
-    plan = min(plans, key=lambda p: step[p.options.all_reduce])
+    choices = {f: ScheduleOptions.CHOICES[f] for f in MK_CHOICES}
+    if experts != "mxfp4":
+        choices["mxfp4_matmul"] = (MK.mxfp4_matmul,)
+    step = {}
+    for combo in itertools.product(*choices.values()):
+        p = mk_plan(cfg, batch, s, context, experts=experts, options=dataclasses.replace(MK, **dict(zip(choices, combo))))
+        step[combo] = (p, simulate(p, Machine.from_system(s), distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time)
+    plan, _ = min(step.values(), key=lambda pt: pt[1])
     info = {"options": plan.options.name, "experts": plan.experts, "prefetch_depth": plan.prefetch_depth,
             "tile": [plan.tile_k, plan.tile_n], "devices": plan.devices, "ep": plan.layout.ep,
             "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel,
-            "all_reduce": plan.options.all_reduce, "all_reduce_step_s": step}
+            "all_reduce": plan.options.all_reduce, "mxfp4_matmul": plan.options.mxfp4_matmul,
+            "choices_step_s": {"/".join(c): t for c, (_, t) in step.items()},
+            "all_reduce_step_s": {a: min(t for c, (_, t) in step.items() if c[0] == a) for a in choices["all_reduce"]}}
     if note:
         info["note"] = note
     return plan, info
+
+
+# The options mk's kernel executes either way (`ScheduleOptions.KERNEL_FREE` less the message rows,
+# which are MK's 'packed'); `mk_plan_for` models every combination and keeps the fastest.
+MK_CHOICES = ("all_reduce", "mxfp4_matmul")
 
 
 # Plan changes toward the seed's schedule's strengths, applied one after another to mk's plan
@@ -663,8 +684,8 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
 MK_WHATIFS = (
     ("mk's kernel today (mk.plan.MK)", {}),
     ("+ 256 x 512 tiles (narrow matrices padded less)", {"tile": (256, 512)}),
-    ("+ the seed's FP8 gate/up, MXFP4 down on the fp8 MXU path", {"expert_gate_up": "fp8", "expert_down": "mxfp4",
-                                                                 "mxfp4_matmul": "fp8"}),
+    ("+ the seed's gate/up re-blocked to FP8 (spec 2.3)", {"expert_gate_up": "fp8", "expert_down": "mxfp4",
+                                                          "mxfp4_matmul": "fp8"}),
 )
 
 

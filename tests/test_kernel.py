@@ -17,10 +17,11 @@ from mk.plan import DEFAULT_PREFETCH_DEPTH
 
 # Every batch size, every prefetch depth (0 = no overlap, 1, the default), 5 decode steps each
 # (3 prompt tokens, then greedy: the ring wraps many times per step at every depth). Routed experts
-# in both formats: "mxfp4" (packed in HBM, dequantized in VMEM; the reference runs on their
-# dequantization) at B = 1 and 8, bf16 tiles elsewhere.
-CASES = [(1, 0, "bf16"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4"), (2, 1, "bf16"), (4, DEFAULT_PREFETCH_DEPTH, "bf16"),
-         (8, 0, "bf16"), (8, DEFAULT_PREFETCH_DEPTH, "mxfp4")]
+# in both formats: "mxfp4" (packed in HBM; the reference runs on their dequantization) at B = 1
+# (dequantized to bf16 tiles in VMEM) and 8 (the fp8 MXU path: e4m3 codes, block-diagonal LHS, group
+# partials; the reference sums the expert matmuls by 32-row group), bf16 tiles elsewhere.
+CASES = [(1, 0, "bf16", "bf16"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "bf16"), (2, 1, "bf16", "bf16"),
+         (4, DEFAULT_PREFETCH_DEPTH, "bf16", "bf16"), (8, 0, "bf16", "bf16"), (8, DEFAULT_PREFETCH_DEPTH, "mxfp4", "fp8")]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,12 @@ def _assert_close(res):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch,depth,experts", CASES)
-def test_kernel_matches_reference(mini, batch, depth, experts):
+@pytest.mark.parametrize("batch,depth,experts,mxfp4_matmul", CASES)
+def test_kernel_matches_reference(mini, batch, depth, experts, mxfp4_matmul):
     cfg, params = mini
-    res = check(cfg, batch, steps=5, prefetch_depth=depth, params=params, detect_races=True, experts=experts)
-    assert res["experts"] == experts
+    res = check(cfg, batch, steps=5, prefetch_depth=depth, params=params, detect_races=True, experts=experts,
+                mxfp4_matmul=mxfp4_matmul)
+    assert res["experts"] == experts and res["mxfp4_matmul"] == mxfp4_matmul
     _assert_close(res)
 
 

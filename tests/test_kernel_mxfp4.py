@@ -202,3 +202,51 @@ def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():
     with pytest.raises(PlanError, match="latent / devices = 120 .* would overrun the block"):
         make_plan(bad, 1, experts="mxfp4", layout=default_layout(bad, 8))
     make_plan(bad, 1, experts="bf16", layout=default_layout(bad, 8))
+
+
+def _run_fp8_tile(x, codes, scales, m):
+    """The kernel's `fp8_tile_product` (zero accumulator) in TPU interpret mode -> f32 [R, tn]."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from mk.kernel import interpret_params
+    from mk.kernel.ring import fp8_tile_product
+
+    R, G = x.shape[0], m.tile_k // plan_mod.MX_GROUP
+
+    def kernel(x_ref, c_ref, s_ref, o_ref, lhs, w8):
+        o_ref[...] = fp8_tile_product(jnp.zeros(o_ref.shape, jnp.float32), x_ref[...], c_ref.at[0], s_ref.at[0],
+                                      lhs, w8, m)
+
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((R, m.tile_n), jnp.float32),
+                         in_specs=[vmem] * 3, out_specs=vmem,
+                         scratch_shapes=[pltpu.VMEM((G * R, m.tile_k), jnp.bfloat16),
+                                         pltpu.VMEM((m.tile_k, m.tile_n), jnp.float8_e4m3fn)],
+                         interpret=interpret_params(detect_races=True))(jnp.asarray(x), jnp.asarray(codes),
+                                                                         jnp.asarray(scales))
+    return np.asarray(out)
+
+
+def test_fp8_path_sums_group_partials_in_order():
+    """One MXFP4 tile on the fp8 MXU path (`fp8_tile_product`: e4m3 codes, block-diagonal LHS, group
+    partials scaled by 2^(s - 127)) equals, bit for bit, the fp32 sum over the 32-row groups in order of
+    x_g @ dequantized w_g (what the references compute with `mm(..., k_chunk=MX_GROUP)`), and differs
+    from one dot over the whole tile, so the references must know which path the kernel took."""
+    import jax.numpy as jnp
+    from mk.layers.common import mm
+    tk, tn, R = 512, 256, 8
+    m = plan_mod.Matrix("expert.down", tk, tn, (), tk, tn, "mxfp4")
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 16, (tk, tn), dtype=np.uint8)
+    scales = rng.integers(120, 134, (tk // 32, tn), dtype=np.uint8)
+    x = rng.standard_normal((R, tk)).astype(ml_dtypes.bfloat16)
+    c, s = plan_mod.pack_mxfp4_tiles(codes, scales, tk, tn)
+    got = _run_fp8_tile(x, c[None] if c.ndim == 2 else c, s[None] if s.ndim == 2 else s, m)
+    w = (codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+         * np.repeat(scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), 32, axis=0)).astype(ml_dtypes.bfloat16)
+    grouped = np.asarray(mm(jnp.asarray(x), jnp.asarray(w), k_chunk=plan_mod.MX_GROUP))
+    whole = np.asarray(mm(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_array_equal(got.view(np.uint32), grouped.view(np.uint32))
+    assert np.any(grouped != whole)

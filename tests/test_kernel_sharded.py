@@ -58,9 +58,10 @@ def _assert_close(res):
 # modes, 8, 4 and 2 devices, one- and two-round all-reduces. Sized for interpret mode: every
 # collective round is 7 remote DMAs per device on 8 devices, ~4 ms each. On 8 devices the routed
 # experts are MXFP4 (packed, dequantized in VMEM; the reference runs on their dequantization), on 4
-# and 2 bf16 tiles.
-CASES = [(8, 1, 3, "on_wait", "mxfp4", "one_round"), (8, 8, 2, "eager", "mxfp4", "one_round"),
-         (4, 4, 2, "on_wait", "bf16", "two_round"), (2, 2, 3, "on_wait", "bf16", "one_round")]
+# and 2 bf16 tiles; at B = 1 they meet the MXU as dequantized bf16 tiles, at B = 8 on the fp8 path
+# (group partials: the sharded reference sums the expert matmuls by 32-row group).
+CASES = [(8, 1, 3, "on_wait", "mxfp4", "one_round", "bf16"), (8, 8, 2, "eager", "mxfp4", "one_round", "fp8"),
+         (4, 4, 2, "on_wait", "bf16", "two_round", "bf16"), (2, 2, 3, "on_wait", "bf16", "one_round", "bf16")]
 # collective rounds per step on mini-tp8 (4 layers): the embedding sum, then per layer the attention
 # output, then layer 0's dense MLP or the MoE's latent gather, routed sum and output sum; a
 # two-round all-reduce is two rounds
@@ -68,12 +69,13 @@ ROUNDS = {"one_round": 1 + 2 + 4 * 3, "two_round": 2 + 4 + 7 * 3}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,batch,steps,mode,experts,all_reduce", CASES)
-def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mode, experts, all_reduce):
+@pytest.mark.parametrize("devices,batch,steps,mode,experts,all_reduce,mxfp4_matmul", CASES)
+def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mode, experts, all_reduce, mxfp4_matmul):
     cfg, params = tp8
     res = check(cfg, batch, steps, params=params, mesh=devices, detect_races=True,
-                dma_execution_mode=mode, ctx=128, experts=experts, all_reduce=all_reduce)
+                dma_execution_mode=mode, ctx=128, experts=experts, all_reduce=all_reduce, mxfp4_matmul=mxfp4_matmul)
     assert res["devices"] == devices and res["experts"] == experts and res["all_reduce"] == all_reduce
+    assert res["mxfp4_matmul"] == mxfp4_matmul
     assert res["collectives_per_step"] == ROUNDS[all_reduce]
     _assert_close(res)
 

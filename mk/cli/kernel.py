@@ -36,6 +36,9 @@ def add_parser(sub):
     p.add_argument("--all-reduce", choices=("one_round", "two_round"), default="one_round",
                    help="the kernel's all-reduces: one round (every rank sends its whole message to every "
                         "peer) or two (reduce-scatter, then all-gather of the sums: fewer bytes, two hops)")
+    p.add_argument("--mxfp4-matmul", choices=("bf16", "fp8"), default="bf16",
+                   help="how MXFP4 experts meet the MXU: 'bf16' (dequantized to a bf16 tile) or 'fp8' (codes to "
+                        "e4m3, a block-diagonal LHS, 32-row group partials scaled and summed: spec 3.5)")
     p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
                    help="instead: greedy speculative decoding through the kernel's verify step (K drafts "
                         "per step, a test drafter agreeing with probability --agree) against plain greedy "
@@ -66,6 +69,8 @@ def add_parser(sub):
     p.add_argument("--all-reduce", choices=("one_round", "two_round"), default="one_round",
                    help="the kernel's all-reduces: one round (every rank sends its whole message to every "
                         "peer) or two (reduce-scatter, then all-gather of the sums: fewer bytes, two hops)")
+    p.add_argument("--mxfp4-matmul", choices=("bf16", "fp8"), default="bf16",
+                   help="how MXFP4 experts meet the MXU: 'bf16' (dequantized tile) or 'fp8' (spec 3.5)")
     p.add_argument("--no-vmem-probe", action="store_true",
                    help="skip the second compile, under a VMEM limit of the plan's budget (vmem_compiler_fits)")
     p.add_argument("--json", action="store_true")
@@ -141,11 +146,13 @@ def run_check(args) -> int:
     kw = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
     layout = _layout(cfg, args.mesh)
     make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=layout, experts=args.experts,
-              options=dataclasses.replace(MK, all_reduce=args.all_reduce), **kw)   # bad input: before any work
+              options=dataclasses.replace(MK, all_reduce=args.all_reduce, mxfp4_matmul=args.mxfp4_matmul),
+              **kw)   # bad input: before any work
     _enough_devices(args.mesh)
     res = check(cfg, args.batch, args.steps, args.prefetch_depth, seed=args.seed,
                 ctx=args.ctx, detect_races=not args.no_races, dma_execution_mode=args.dma_mode,
-                progress=not args.json, mesh=args.mesh or 1, experts=args.experts, all_reduce=args.all_reduce)
+                progress=not args.json, mesh=args.mesh or 1, experts=args.experts, all_reduce=args.all_reduce,
+                mxfp4_matmul=args.mxfp4_matmul)
     if args.json:
         print(json.dumps(_finite(res), indent=1, allow_nan=False))
     else:
@@ -244,7 +251,8 @@ def run_aot(args) -> int:
         if args.tile:
             kw["tile"] = _tile(args.tile)
         plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, devices),
-                         experts=args.experts, options=dataclasses.replace(MK, all_reduce=args.all_reduce), **kw)
+                         experts=args.experts, options=dataclasses.replace(MK, all_reduce=args.all_reduce,
+                                                                           mxfp4_matmul=args.mxfp4_matmul), **kw)
         out.update(program="megakernel", expert_format=plan.experts, expert_bytes=plan.expert_bytes,
                    routed_expert_bytes_per_step=plan.routed_expert_bytes_per_step(),
                    collectives_per_step=plan.collectives_per_step,

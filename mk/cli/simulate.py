@@ -151,9 +151,14 @@ def format_table(report: list[dict]) -> str:
             notes.append(f"  mk plan: {info['devices']} devices (EP{info['ep']} x TP{info['tp_expert']} experts), "
                          f"{info['experts']} experts, tiles {info['tile'][0]}x{info['tile'][1]}, prefetch depth "
                          f"{info['prefetch_depth']} (the deepest ring that fits VMEM)")
-            rounds = {r["batch"]: r["mk_plan"]["all_reduce"] for r in rep["rows"] if "mk_plan" in r}
-            notes.append("  mk plan's all-reduces (the faster modelled; the kernel runs both): " +
-                         ", ".join(f"B={b} {a.replace('_', ' ')}" for b, a in rounds.items()))
+            picks = {r["batch"]: (r["mk_plan"]["all_reduce"], r["mk_plan"]["mxfp4_matmul"])
+                     for r in rep["rows"] if "mk_plan" in r}
+            notes.append("  mk plan's choices (the fastest modelled; the kernel runs each): " +
+                         ", ".join(f"B={b} {a.replace('_', ' ')} all-reduces, MXFP4 on the {m} MXU path"
+                                   for b, (a, m) in picks.items()))
+            if any(m == "fp8" for _, m in picks.values()):
+                notes.append("  the fp8 path (bf16 activations x e4m3 codes) is modelled at the fp8 MXU rate, which "
+                             "no measurement confirms yet: `mk microbench` on a TPU times it (mxu.bf16xfp8)")
         lines += notes
         lines.append("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster);"
                      " all times modelled (mk.sim)")

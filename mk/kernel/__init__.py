@@ -97,6 +97,15 @@ def place_cache(cache: dict, mesh) -> dict:
         {k: jax.device_put(v, NamedSharding(mesh, P(*CACHE_SPECS[k]))) for k, v in cache.items()})
 
 
+def expert_k_chunk(plan: Plan) -> int:
+    """The depth of the K slices the kernel's routed-expert matmuls sum in order, for the references
+    to mirror (`mk.layers.common.mm`): MX_GROUP for MXFP4 experts on the fp8 path (group partials,
+    `mk.kernel.ring.fp8_tile_product`), else K_CHUNK."""
+    from mk.layers.common import K_CHUNK
+    from mk.plan import MX_GROUP
+    return MX_GROUP if plan.experts == "mxfp4" and plan.options.mxfp4_matmul == "fp8" else K_CHUNK
+
+
 def experts_format(params: dict) -> str:
     """"mxfp4" if params' routed experts are packed (`mk.checkpoint.load(..., experts="mxfp4")`:
     moe.w1 = {"packed", "scale"}), else "bf16"."""

@@ -31,26 +31,58 @@ from mk.layers.common import K_CHUNK
 from mk.plan import MX_GROUP, SCALES_PER_WORD, Matrix, Plan
 
 
+def group_scales(scales, m: Matrix) -> jax.Array:
+    """scales [tile_k / 128, tile_n] int32 (ref; layout `mk.plan.pack_mxfp4_tiles`) -> the 32-row
+    groups' 2^(s - 127) [tile_k / 32, tile_n] f32, group g in row g (built as exponent bits: exact,
+    s in 2..252, `mk.plan.KERNEL_SCALE_RANGE`). Scale byte j of every word is row-group block j."""
+    s_words = scales[...]
+    group = jnp.concatenate([jax.lax.shift_right_logical(s_words, 8 * j) & 255 for j in range(SCALES_PER_WORD)],
+                            axis=0)                                                 # [tk / 32, tn]
+    return jax.lax.bitcast_convert_type(group << 23, jnp.float32)
+
+
 def dequantize_tile(codes, scales, out, m: Matrix):
     """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
     layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref, exactly
     value(code) * 2^(s - 127).
 
     The words are reinterpreted as E2M1 (`pltpu.bitcast`: row 8w + j is bits 4j .. 4j + 3 of word
-    w) and converted to bf16, which holds every E2M1 value exactly. Scale byte j of every word is
-    row-group block j; each group's 2^(s - 127) is built once as fp32 exponent bits, cast to bf16
-    (exact: s in 2..252, `mk.plan.KERNEL_SCALE_RANGE`) and broadcast over its 32 rows. The product
-    of an E2M1 value and a power of two is exact in bf16. Per weight: the conversion, the scale
-    broadcast, the multiply and the store: 4 vector ops (whole-tile ops: interpret mode runs each
-    primitive separately)."""
+    w) and converted to bf16, which holds every E2M1 value exactly. Each group's 2^(s - 127)
+    (`group_scales`) is cast to bf16 (exact) and broadcast over its 32 rows. The product of an E2M1
+    value and a power of two is exact in bf16. Per weight: the conversion, the scale broadcast, the
+    multiply and the store: 4 vector ops (whole-tile ops: interpret mode runs each primitive
+    separately)."""
     tk, tn = m.tile_k, m.tile_n
     values = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.bfloat16)      # [tk, tn]
-    s_words = scales[...]
-    group = jnp.concatenate([jax.lax.shift_right_logical(s_words, 8 * j) & 255 for j in range(SCALES_PER_WORD)],
-                            axis=0)                                                 # [tk / 32, tn]
-    scale = jax.lax.bitcast_convert_type(group << 23, jnp.float32).astype(jnp.bfloat16)
+    scale = group_scales(scales, m).astype(jnp.bfloat16)
     scale = jnp.broadcast_to(scale[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
     out[...] = values * scale
+
+
+def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix):
+    """acc [R, tile_n] f32 + x [R, tile_k] bf16 @ one MXFP4 tile on the fp8 path (spec 3.5): the
+    codes converted to float8_e4m3fn (exact: E2M1 values are e4m3 values) into `w8` [tile_k,
+    tile_n]; a block-diagonal LHS `lhs` [G R, tile_k] bf16 (G = tile_k / 32 groups; block g holds
+    x's columns of group g, zeros elsewhere); one MXU dot gives every group's partial product
+    [G R, tile_n] f32; each is scaled by its group's 2^(s - 127) and added to acc in group order.
+
+    Exactness: a bf16 x E2M1 product has at most 10 significant bits (exact in fp32), the zeros add
+    nothing, and scaling by a power of two commutes with rounding, so the result is the fp32 sum,
+    group by group in order, of the dequantized weights' products: `mk.layers.common.mm` with
+    `k_chunk = MX_GROUP` (what `mk.kernel.expert_k_chunk` tells the references). Per weight: one
+    conversion and its store (DEQUANT_OPS['fp8'] = 1); the scale multiply-adds are per group."""
+    tk, tn = m.tile_k, m.tile_n
+    G, R = tk // MX_GROUP, x.shape[0]
+    w8[...] = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn)   # [tk, tn]
+    xs = jnp.concatenate([x.astype(jnp.float32)] * G, axis=0)                        # [G R, tk]
+    row_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 0) // R
+    col_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 1) // MX_GROUP
+    lhs[...] = jnp.where(row_group == col_group, xs, 0.0).astype(jnp.bfloat16)
+    part = jnp.dot(lhs[...], w8[...], preferred_element_type=jnp.float32)            # [G R, tn]
+    scale = group_scales(scales, m)                                                  # [G, tn]
+    for g in range(G):
+        acc = acc + part[g * R:(g + 1) * R] * scale[g:g + 1]
+    return acc
 
 
 class WeightRing:
@@ -75,6 +107,7 @@ class WeightRing:
     def __init__(self, plan: Plan, refs):
         self.plan, self.r, self.tables = plan, refs, refs.tables
         self.mxfp4 = plan.experts == "mxfp4"
+        self.fp8 = self.mxfp4 and plan.options.mxfp4_matmul == "fp8"     # MXFP4 tiles on the fp8 MXU path
         self.c = None
 
     def reset(self):
@@ -198,10 +231,17 @@ class WeightRing:
         def column(n):
             def row_block(k, carry):
                 acc, self.c = carry
-                w = self.tile(m, self.take(m))
-                for c in range(0, tk, chunk):   # K_CHUNK-deep products, summed in order (as mk.layers.common.mm)
-                    xk = xbuf[:, pl.ds(pl.multiple_of(k * tk + c, chunk), chunk)]
-                    acc = acc + jnp.dot(xk, w[c:c + chunk], preferred_element_type=jnp.float32)
+                slot = self.take(m)
+                if m.format == "mxfp4" and self.fp8:          # group partials on the fp8 path
+                    r = self.r
+                    xk = xbuf[:, pl.ds(pl.multiple_of(k * tk, tk), tk)]
+                    acc = fp8_tile_product(acc, xk, r.code_slots.at[slot], r.scale_slots.at[slot], r.mx_lhs,
+                                           r.dequant, m)
+                else:
+                    w = self.tile(m, slot)
+                    for c in range(0, tk, chunk):   # K_CHUNK-deep products, summed in order (as mk.layers.common.mm)
+                        xk = xbuf[:, pl.ds(pl.multiple_of(k * tk + c, chunk), chunk)]
+                        acc = acc + jnp.dot(xk, w[c:c + chunk], preferred_element_type=jnp.float32)
                 self.release(m)
                 return acc, self.c
             acc, self.c = jax.lax.fori_loop(0, m.k_tiles, row_block,

@@ -76,22 +76,30 @@ def rows_padded(fn, x: jax.Array, *args, **kw) -> jax.Array:
     return fn(pad_rows(x), *args, **kw)[:x.shape[0]]
 
 
-def mm(x: jax.Array, w: jax.Array) -> jax.Array:
+def mm(x: jax.Array, w: jax.Array, k_chunk: int = K_CHUNK) -> jax.Array:
     """`x @ w` for bf16 operands with fp32 accumulation; x [rows, K], w [K, N] -> [rows, N] f32.
 
     Rows are zero-padded to a multiple of ROW_TILE (as the kernel pads to the MXU tile), which also
-    makes every row's result independent of how many rows share the call. K is taken in K_CHUNK
+    makes every row's result independent of how many rows share the call. K is taken in `k_chunk`
     slices, zero-padded, each slice's product added to the running fp32 sum in order: the kernel
     accumulates its weight tiles the same way, and one dot over all of K sums in another order.
+    (`k_chunk` = MX_GROUP: an MXFP4 matrix on the kernel's fp8 path, whose 32-row group partials
+    are scaled and summed in order; `mk.kernel.ring.WeightRing.matmul`.)
     """
     rows, K = x.shape
     x = pad_rows(x)
-    if K <= K_CHUNK:
+    if K <= k_chunk:
         return jnp.dot(x, w, preferred_element_type=F32)[:rows]
-    pad = -K % K_CHUNK
+    pad = -K % k_chunk
     x, w = jnp.pad(x, ((0, 0), (0, pad))), jnp.pad(w, ((0, pad), (0, 0)))
+    if k_chunk < K_CHUNK and (K + pad) // k_chunk > 16:   # many thin slices: one scanned dot, same sums in order
+        xs = x.reshape(x.shape[0], -1, k_chunk).transpose(1, 0, 2)
+        ws = w.reshape(-1, k_chunk, w.shape[1])
+        acc, _ = jax.lax.scan(lambda a, xw: (a + jnp.dot(xw[0], xw[1], preferred_element_type=F32), None),
+                              jnp.dot(xs[0], ws[0], preferred_element_type=F32), (xs[1:], ws[1:]))
+        return acc[:rows]
     acc = None
-    for c in range(0, K + pad, K_CHUNK):
-        part = jnp.dot(x[:, c:c + K_CHUNK], w[c:c + K_CHUNK], preferred_element_type=F32)
+    for c in range(0, K + pad, k_chunk):
+        part = jnp.dot(x[:, c:c + k_chunk], w[c:c + k_chunk], preferred_element_type=F32)
         acc = part if acc is None else acc + part
     return acc[:rows]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from mk.config import K3Config
-from mk.layers.common import F32, bf, f32, mm, rms, rows_padded, sigmoid, situ
+from mk.layers.common import F32, K_CHUNK, bf, f32, mm, rms, rows_padded, sigmoid, situ
 
 
 def route(m, router, bias, top_k: int):
@@ -32,14 +32,16 @@ def route(m, router, bias, top_k: int):
     return ids, jnp.take_along_axis(chosen, order, axis=-1) / denom
 
 
-def expert(l, w1, w3, w2, cfg: K3Config):
-    """One routed expert on latent rows: l [R, Lt] bf16, w1/w3 [Lt, Fe], w2 [Fe, Lt] -> [R, Lt] bf16."""
-    h = situ(bf(mm(l, w1)), bf(mm(l, w3)), cfg.situ_beta, cfg.situ_linear_beta)
-    return bf(mm(h, w2))
+def expert(l, w1, w3, w2, cfg: K3Config, k_chunk: int = K_CHUNK):
+    """One routed expert on latent rows: l [R, Lt] bf16, w1/w3 [Lt, Fe], w2 [Fe, Lt] -> [R, Lt] bf16.
+    k_chunk: the depth of the K slices its matmuls sum in order (`mm`)."""
+    h = situ(bf(mm(l, w1, k_chunk)), bf(mm(l, w3, k_chunk)), cfg.situ_beta, cfg.situ_linear_beta)
+    return bf(mm(h, w2, k_chunk))
 
 
-def moe(m, w: dict, cfg: K3Config):
-    """One MoE layer. m [B, d] bf16; w holds this layer's slice of params['moe'] -> z [B, d] bf16."""
+def moe(m, w: dict, cfg: K3Config, expert_k_chunk: int = K_CHUNK):
+    """One MoE layer. m [B, d] bf16; w holds this layer's slice of params['moe'] -> z [B, d] bf16.
+    expert_k_chunk: the routed experts' matmul slice depth (`mk.kernel.expert_k_chunk`)."""
     ids, weights = route(m, w["router"], w["router_bias"], cfg.top_k)
     latent = bf(mm(m, w["latent_down"]))                         # [B, Lt]
 
@@ -52,7 +54,7 @@ def moe(m, w: dict, cfg: K3Config):
         acc = jax.lax.optimization_barrier(jnp.zeros((l.shape[-1],), F32))
         for j in range(cfg.top_k):
             e = row_ids[j]
-            out = expert(l[None], w["w1"][e], w["w3"][e], w["w2"][e], cfg)[0]
+            out = expert(l[None], w["w1"][e], w["w3"][e], w["w2"][e], cfg, expert_k_chunk)[0]
             acc = acc + row_w[j] * f32(out)
         return acc
 
