@@ -628,24 +628,34 @@ def mk_plan(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAUL
     lay = default_layout(cfg, s.devices)
     kw = dict(layout=lay, ctx=context, experts=experts, options=options, tile=tile)
     if prefetch_depth is None:
-        lo, hi = 0, 512                      # deepest depth whose plan fits VMEM (bisection)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            try:
-                make_plan(cfg, batch, prefetch_depth=mid, **kw)
-                lo = mid
-            except planlib.PlanError:
-                hi = mid - 1
-        prefetch_depth = lo
+        prefetch_depth = _deepest_ring(cfg, batch, kw)
     return make_plan(cfg, batch, prefetch_depth=prefetch_depth, check=False, **kw)
+
+
+def _deepest_ring(cfg: K3Config, batch: int, kw: dict, most: int = 512) -> int:
+    """The deepest prefetch depth (<= most) whose plan `make_plan` accepts (fits VMEM): guessed from
+    the VMEM bytes per slot (two unchecked plans), then stepped to the boundary with checked ones."""
+    def fits(d):
+        try:
+            make_plan(cfg, batch, prefetch_depth=d, **kw)
+            return True
+        except planlib.PlanError:
+            return False
+    a, b = (make_plan(cfg, batch, prefetch_depth=d, check=False, **kw) for d in (4, 12))
+    per = (b.vmem_planned_bytes - a.vmem_planned_bytes) / 8
+    d = most if per <= 0 else max(0, min(most, 4 + int((a.vmem_limit - a.vmem_planned_bytes) // per)))
+    while d > 0 and not fits(d):
+        d -= 1
+    while d < most and fits(d + 1):
+        d += 1
+    return d
 
 
 def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT) -> tuple[Plan, dict]:
     """`mk_plan` with MXFP4 experts, or with bf16 expert tiles where `make_plan` refuses MXFP4 for the
     layout (then `info["note"]` says why), and with the kernel's free choices (`MK_CHOICES`: the
-    all-reduce rounds, how MXFP4 tiles meet the MXU; the kernel runs every combination) that the
-    model finds fastest for this batch; `info` describes the plan."""
-    import itertools
+    all-reduce rounds, how MXFP4 tiles meet the MXU; `MK_TILES`; the kernel runs every combination)
+    that the model finds fastest for this batch; `info` describes the plan."""
     note, experts = "", "mxfp4"
     try:
         mk_plan(cfg, batch, system, context)
@@ -658,32 +668,49 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
     choices = {f: ScheduleOptions.CHOICES[f] for f in MK_CHOICES}
     if experts != "mxfp4":
         choices["mxfp4_matmul"] = (MK.mxfp4_matmul,)
-    step = {}
-    for combo in itertools.product(*choices.values()):
-        p = mk_plan(cfg, batch, s, context, experts=experts, options=dataclasses.replace(MK, **dict(zip(choices, combo))))
-        step[combo] = (p, simulate(p, Machine.from_system(s), distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time)
-    plan, _ = min(step.values(), key=lambda pt: pt[1])
+    choices["tile"] = MK_TILES
+    step: dict[tuple, tuple] = {}
+
+    def run(pick: dict) -> float:
+        key = tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in pick.items())
+        if key not in step:
+            opts = dataclasses.replace(MK, **{f: v for f, v in pick.items() if f != "tile"})
+            p = mk_plan(cfg, batch, s, context, experts=experts, tile=pick["tile"], options=opts)
+            step[key] = (p, simulate(p, Machine.from_system(s),
+                                     distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time)
+        return step[key][1]
+
+    # one choice at a time, the others at their best so far (each choice's effect hardly depends on
+    # the others': an exhaustive search gave the same plans at B = 1, 2, 4 and 8)
+    best = {f: v[0] for f, v in choices.items()}
+    for f, values in choices.items():
+        best[f] = min(values, key=lambda v: run({**best, f: v}))
+    plan, _ = step[tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in best.items())]
     info = {"options": plan.options.name, "experts": plan.experts, "prefetch_depth": plan.prefetch_depth,
             "tile": [plan.tile_k, plan.tile_n], "devices": plan.devices, "ep": plan.layout.ep,
             "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel,
             "all_reduce": plan.options.all_reduce, "mxfp4_matmul": plan.options.mxfp4_matmul,
             "choices_step_s": {"/".join(c): t for c, (_, t) in step.items()},
-            "all_reduce_step_s": {a: min(t for c, (_, t) in step.items() if c[0] == a) for a in choices["all_reduce"]}}
+            "all_reduce_step_s": {a: min(t for c, (_, t) in step.items() if c[0] == a) for a in choices["all_reduce"]},
+            "tile_step_s": {f"{tk}x{tn}": min(t for c, (_, t) in step.items() if c[-1] == f"{tk}x{tn}")
+                            for tk, tn in MK_TILES}}
     if note:
         info["note"] = note
     return plan, info
 
 
 # The options mk's kernel executes either way (`ScheduleOptions.KERNEL_FREE` less the message rows,
-# which are MK's 'packed'); `mk_plan_for` models every combination and keeps the fastest.
+# which are MK's 'packed'), and the tiles it runs bit-exact against the references (512-deep: the
+# references' K_CHUNK; the lanes are free); `mk_plan_for` models every combination, keeps the fastest.
 MK_CHOICES = ("all_reduce", "mxfp4_matmul")
+MK_TILES = ((512, 512), (512, 256))
 
 
 # Plan changes toward the seed's schedule's strengths, applied one after another to mk's plan
 # (`mk_whatifs`): what each would buy. Only the first is what the kernel executes today.
 MK_WHATIFS = (
     ("mk's kernel today (mk.plan.MK)", {}),
-    ("+ 256 x 512 tiles (narrow matrices padded less)", {"tile": (256, 512)}),
+    ("+ 256-row tiles (narrow contractions padded less)", {"tile_k": 256}),
     ("+ the seed's gate/up re-blocked to FP8 (spec 2.3)", {"expert_gate_up": "fp8", "expert_down": "mxfp4",
                                                           "mxfp4_matmul": "fp8"}),
 )
@@ -697,7 +724,7 @@ def mk_whatifs(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEF
     opts, tile, rows = base.options, (base.tile_k, base.tile_n), []
     for name, change in MK_WHATIFS:
         change = dict(change)
-        tile = change.pop("tile", tile)
+        tile = (change.pop("tile_k", tile[0]), tile[1])
         if change:
             opts = dataclasses.replace(opts, name="mk what-if", **change)
         plan = mk_plan(cfg, batch, system, context, options=opts, tile=tile, experts=base.experts)

@@ -149,14 +149,13 @@ def format_table(report: list[dict]) -> str:
         info = next((r["mk_plan"] for r in rep["rows"] if "mk_plan" in r), None)
         if info:
             notes.append(f"  mk plan: {info['devices']} devices (EP{info['ep']} x TP{info['tp_expert']} experts), "
-                         f"{info['experts']} experts, tiles {info['tile'][0]}x{info['tile'][1]}, prefetch depth "
-                         f"{info['prefetch_depth']} (the deepest ring that fits VMEM)")
-            picks = {r["batch"]: (r["mk_plan"]["all_reduce"], r["mk_plan"]["mxfp4_matmul"])
-                     for r in rep["rows"] if "mk_plan" in r}
-            notes.append("  mk plan's choices (the fastest modelled; the kernel runs each): " +
-                         ", ".join(f"B={b} {a.replace('_', ' ')} all-reduces, MXFP4 on the {m} MXU path"
-                                   for b, (a, m) in picks.items()))
-            if any(m == "fp8" for _, m in picks.values()):
+                         f"{info['experts']} experts; per batch the fastest modelled of the choices the kernel runs "
+                         f"(tiles, all-reduce rounds, MXFP4 MXU path), the deepest ring that fits VMEM:")
+            picks = {r["batch"]: r["mk_plan"] for r in rep["rows"] if "mk_plan" in r}
+            for b, i in picks.items():
+                notes.append(f"    B={b}: tiles {i['tile'][0]}x{i['tile'][1]}, prefetch depth {i['prefetch_depth']}, "
+                             f"{i['all_reduce'].replace('_', ' ')} all-reduces, MXFP4 on the {i['mxfp4_matmul']} MXU path")
+            if any(i["mxfp4_matmul"] == "fp8" for i in picks.values()):
                 notes.append("  the fp8 path (bf16 activations x e4m3 codes) is modelled at the fp8 MXU rate, which "
                              "no measurement confirms yet: `mk microbench` on a TPU times it (mxu.bf16xfp8)")
         lines += notes
