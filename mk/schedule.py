@@ -262,8 +262,8 @@ def schedule(plan, distinct_experts: list[float]):
                     collective(l, "router_exchange")
                 else:
                     routing = topk()
-            elif m.name == "moe.in" and N > 1:
-                collective(l, "moe_latent")
+            elif m.name == "moe.in" and N > 1:      # flies while the shared expert computes (mk.kernel.moe)
+                collective(l, "moe_latent", overlap=1)
             elif m.name == "moe.latent_down":       # spec 3.8: the latent all-gather flies during the top-k loop
                 collective(l, "latent_gather", overlap=1)
                 routing = topk()

@@ -167,9 +167,25 @@ def all_reduce(k, name: str, partial: jax.Array) -> jax.Array:
 def all_gather(k, name: str, x: jax.Array) -> jax.Array:
     """x [R, w] bf16 (this rank's block) -> [R, N * w] bf16, blocks in rank order (rows past the
     message's token rows are zero)."""
+    return start_all_gather(k, name, x)()
+
+
+def start_all_gather(k, name: str, x: jax.Array):
+    """`all_gather` in two halves: the sends start now; the returned `finish()` waits for the
+    messages and returns the gathered [R, N * w] bf16. Work between the two runs while the
+    messages fly (`Phase.overlap` in the plan); it must not start another collective."""
     if k.plan.devices == 1:
-        return x
+        return lambda: x
     coll, wire = _collective(k, name, x)
-    with jax.named_scope(f"collective_{name}"):
-        out = jnp.concatenate(_exchange(k, name, wire, coll.width), axis=-1)
-    return _pad_rows(out, x.shape[0])
+    ring = k.ring
+    with jax.named_scope(f"collective_{name}_start"):
+        ex = Exchange(k.plan, k.refs, ring.c["coll"] % 2, coll.width)
+        ex.start(wire)
+    ring.c = dict(ring.c, coll=ring.c["coll"] + 1)
+
+    def finish():
+        with jax.named_scope(f"collective_{name}_wait"):
+            ex.wait()
+            out = jnp.concatenate(ex.messages(), axis=-1)
+        return _pad_rows(out, x.shape[0])
+    return finish

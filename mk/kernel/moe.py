@@ -3,15 +3,18 @@
 Order of the layer's weight stream (see mk.plan): router, then latent_down|shared_gate|shared_up,
 shared_down, then the routed experts, then latent_up. Routing runs right after the router
 matmul and publishes the layer's distinct experts (ascending id, union over the batch rows) to
-the ring, which can then fetch expert tiles while the shared expert still computes. Each distinct
-expert is fetched once and applied to all rows; rows that did not choose it weigh it by exactly 0,
-so each row accumulates its own experts in ascending id order, as the reference does.
+the ring, which can then fetch expert tiles while the shared expert still computes. (Putting
+latent_down first, so that the latent all-gather also flies during routing, is modelled slower:
+the expert tiles then start later, `mk.sim`.) Each distinct expert is fetched once and applied
+to all rows; rows that did not choose it weigh it by exactly 0, so each row accumulates its own
+experts in ascending id order, as the reference does.
 
 On a mesh (mk.sharding): the router is replicated, so every device makes the same routing
 decisions; a device runs only the chosen experts of its expert group (E / ep of them), over its
 slice of each expert's FFN width. Three collectives:
 
     latent_down (this device's latent slice) --moe_latent all-gather--> l [R, N * latent_block]
+        (in flight while the shared expert computes: `start_all_gather`, the plan's `overlap`)
     experts on l -> routed partial [R, N * latent_block] --moe_routed all-reduce--> r_sum
     latent norm of r_sum (statistics over the whole width), this device's slice @ latent_up rows
         + shared-expert partial (its slice of the shared width) --moe_out all-reduce--> z
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 
 from jax.experimental import pallas as pl
 
-from mk.kernel.collectives import all_gather, all_reduce
+from mk.kernel.collectives import all_reduce, start_all_gather
 from mk.layers.common import bf, f32, rsqrt, sigmoid, situ
 
 
@@ -95,9 +98,11 @@ def moe(k, m, layer):
         y = ring.matmul(m, fused_in)
         sg, su = (bf(fused_in.part(n).cols(y)) for n in ("shared_gate", "shared_up"))
         down = fused_in.part("latent_down")                                 # this rank's latent slice
-        latent = all_gather(k, "moe_latent", bf(y[:, down.offset:down.offset + lb]))   # [R, N * lb]
+        # the latent all-gather flies while the shared expert computes (the plan's `overlap`)
+        latent_in = start_all_gather(k, "moe_latent", bf(y[:, down.offset:down.offset + lb]))
         h = situ(sg, su, cfg.situ_beta, cfg.situ_linear_beta)
         z_shared = ring.matmul(h, shared_down)[:, :cfg.dim]                   # partial on a mesh
+        latent = latent_in()                                                # [R, N * lb]
     with jax.named_scope("moe_experts"):
         gu_m, down_m = plan.expert_gu, plan.expert_down
         lane = jax.lax.broadcasted_iota(jnp.int32, (plan.rows, E_pad), 1)
