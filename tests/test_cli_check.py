@@ -90,7 +90,8 @@ def fake_kernel(monkeypatch):
 
         step_fn.plan = types.SimpleNamespace(prefetch_depth=kw.get("prefetch_depth", 2), num_slots=3,
                                              config_name=lambda: "tiny", devices=1, collectives_per_step=0,
-                                             remote_bytes_per_step=0, options=kw["options"])
+                                             remote_bytes_per_step=0, options=kw["options"],
+                                             experts=kw.get("experts") or "bf16")
         return step_fn
 
     monkeypatch.setattr(mk.kernel, "make_step_fn", make_step_fn)
