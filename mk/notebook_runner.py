@@ -102,16 +102,23 @@ def notebooks(directory: str | os.PathLike | None = None) -> list[Path]:
 
 
 def _kernel_name() -> str:
-    """A Jupyter kernel running this interpreter: registered as 'mk' for the current user if needed."""
+    """A Jupyter kernel running this very interpreter, registered for the current user (under a name
+    unique to its path) if there is none yet.
+
+    Interpreters are compared by path, not by resolved symlink: every virtual environment's
+    `bin/python` links to the same base interpreter, so resolving would pick another checkout's
+    environment (with its own installed `mk`) and run the notebooks on its code."""
+    import hashlib
     from jupyter_client.kernelspec import KernelSpecManager
-    specs = KernelSpecManager().get_all_specs()
-    for name, spec in specs.items():
+    exe = os.path.abspath(sys.executable)
+    for name, spec in sorted(KernelSpecManager().get_all_specs().items()):
         argv = spec.get("spec", {}).get("argv", [])
-        if argv and os.path.realpath(argv[0]) == os.path.realpath(sys.executable):
+        if argv and os.path.abspath(argv[0]) == exe:
             return name
     from ipykernel.kernelspec import install
-    install(user=True, kernel_name="mk", display_name=f"mk ({sys.executable})")
-    return "mk"
+    name = "mk-" + hashlib.sha1(exe.encode()).hexdigest()[:10]
+    install(user=True, kernel_name=name, display_name=f"mk ({exe})")
+    return name
 
 
 def _failing_cell(nb_path: Path) -> str:

@@ -115,3 +115,22 @@ def test_save_figure_writes_png_in_a_fresh_process(tmp_path):
     assert run.stdout.strip().endswith("f.png"), run.stdout + run.stderr
     assert "PNG export failed" not in run.stderr, run.stderr
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kernel_is_this_environments_interpreter(tmp_path, monkeypatch):
+    """Another virtual environment's python links to the same base interpreter; its kernel spec
+    must not be taken for ours (the notebooks would run on that checkout's installed `mk`)."""
+    import sys
+    from jupyter_client import kernelspec
+    other = tmp_path / "other-venv" / "bin" / "python"
+    other.parent.mkdir(parents=True)
+    other.symlink_to(os.path.realpath(sys.executable))
+    specs = {"mk": {"spec": {"argv": [str(other), "-m", "ipykernel_launcher"]}}}
+    installed = []
+    monkeypatch.setattr(kernelspec.KernelSpecManager, "get_all_specs", lambda self: specs)
+    import ipykernel.kernelspec
+    monkeypatch.setattr(ipykernel.kernelspec, "install", lambda **kw: installed.append(kw))
+    name = notebook_runner._kernel_name()
+    assert name != "mk" and name.startswith("mk-") and installed[0]["kernel_name"] == name
+    specs[name] = {"spec": {"argv": [sys.executable, "-m", "ipykernel_launcher"]}}
+    assert notebook_runner._kernel_name() == name and len(installed) == 1      # found, not installed again
