@@ -209,22 +209,23 @@ def test_kernel_backend_dispatches_to_mk_kernel(ckpt, tmp_path, monkeypatch):
     import types
     calls = []
 
-    def fake(params, cfg, tokens, ctx=None):
-        calls.append((cfg, list(tokens), sorted(params)))
+    def fake(params, cfg, tokens, ctx=None, options=None):
+        calls.append((cfg, list(tokens), sorted(params), options.mxfp4_matmul))
         return np.zeros((len(tokens), cfg.vocab), np.float32)
 
     monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(teacher_forced_logits=fake))
     out = tmp_path / "l.npy"
     assert main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(out),
-                 "--backend", "kernel", "--no-progress"]) == 0
-    assert calls == [(CFG, [1, 2], sorted(shapes(CFG)))] and np.load(out).shape == (2, CFG.vocab)
+                 "--backend", "kernel", "--no-progress", "--mxfp4-matmul", "fp8"]) == 0
+    assert calls == [(CFG, [1, 2], sorted(shapes(CFG)), "fp8")] and np.load(out).shape == (2, CFG.vocab)
 
 
 def test_logits_bench_prints_peak_rss_against_the_checkpoint(ckpt, tmp_path, monkeypatch, capsys):
     """`mk logits --bench --json`: the process's peak RSS and the checkpoint's bytes on disk."""
     import types
     monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(
-        teacher_forced_logits=lambda params, cfg, tokens, ctx=None: np.zeros((len(tokens), cfg.vocab), np.float32)))
+        teacher_forced_logits=lambda params, cfg, tokens, ctx=None, options=None: np.zeros((len(tokens), cfg.vocab),
+                                                                                            np.float32)))
     capsys.readouterr()
     assert main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(tmp_path / "l.npy"),
                  "--backend", "kernel", "--no-progress", "--bench", "--json"]) == 0

@@ -143,15 +143,15 @@ def test_kernel_backend_plumbing(capsys, tiny_dir, monkeypatch):
     """--backend kernel hands mk.kernel.make_step_fn(params, cfg, batch, ctx=...) to generate."""
     calls = []
 
-    def make_step_fn(params, cfg, batch, *, ctx):
-        calls.append((cfg, batch, ctx))
+    def make_step_fn(params, cfg, batch, *, ctx, options):
+        calls.append((cfg, batch, ctx, options.all_reduce, options.mxfp4_matmul))
         return lambda p, cache, tokens: ref.decode_step(p, cache, tokens, cfg=cfg)
 
     monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(make_step_fn=make_step_fn))
     out = gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--batch", "2",
-              "--backend", "kernel", "--json")
+              "--backend", "kernel", "--json", "--all-reduce", "two_round", "--mxfp4-matmul", "fp8")
     res = json.loads(out)
-    assert calls == [(TINY, 2, 128)] and res["backend"] == "kernel"
+    assert calls == [(TINY, 2, 128, "two_round", "fp8")] and res["backend"] == "kernel"
     ref_out = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--json"))
     assert res["tokens"] == ref_out["tokens"] * 2
 
@@ -232,8 +232,9 @@ def test_speculative_kernel_plumbing(capsys, tiny_dir, monkeypatch):
     from mk.speculative import ReferenceVerifier
     calls = []
 
-    def KernelVerifier(params, cfg, batch, k, aux_layers, *, ctx, mesh):
+    def KernelVerifier(params, cfg, batch, k, aux_layers, *, ctx, mesh, options):
         calls.append((cfg, batch, k, tuple(aux_layers), ctx, mesh))
+        assert (options.all_reduce, options.mxfp4_matmul) == ("one_round", "bf16")    # MK's defaults
         return ReferenceVerifier(cfg)
 
     monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(KernelVerifier=KernelVerifier))

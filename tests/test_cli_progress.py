@@ -75,7 +75,7 @@ def test_generate_kernel_backend_keeps_stdout_clean(monkeypatch, capsys, tmp_pat
         q_rank=128, kv_rank=128, vocab=512, residual_block=1, full_attention=(1,))
     calls = []
 
-    def make_step_fn(params, c, batch, *, ctx):
+    def make_step_fn(params, c, batch, *, ctx, options):
         def step(p, cache, tokens):
             calls.append(1)
             return ref.decode_step(p, cache, tokens, cfg=c)

@@ -17,7 +17,7 @@ import re
 import statistics
 import time
 
-from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, on_terminal,
+from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, on_terminal, step_options,
                            positive_float, positive_int, progress, token_ids)
 from mk.config import ConfigError
 from mk.errors import UserError, creatable_dir, writable_path
@@ -130,7 +130,7 @@ def _logits_run(args) -> int:
     if mesh is not None and args.backend == "kernel":      # the sharded kernel on the mesh's devices
         params = load(args.checkpoint, progress=on_terminal(not args.no_progress), experts="mxfp4")
         with _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
-            logits = np.asarray(fn(params, cfg, tokens, mesh=mesh.size), np.float32)
+            logits = np.asarray(fn(params, cfg, tokens, mesh=mesh.size, **step_options(args)), np.float32)
         np.save(args.out, logits)
         print(f"wrote {args.out}: float32 logits {list(logits.shape)} (kernel on {mesh.size} devices)")
         return 0
@@ -148,7 +148,7 @@ def _logits_run(args) -> int:
         # MXFP4 experts stay packed (dequantized in VMEM)
         from mk.checkpoint import Checkpoint
         with Checkpoint(args.checkpoint) as ck, _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
-            logits = fn(ck.lazy_params(experts="mxfp4"), cfg, tokens)
+            logits = fn(ck.lazy_params(experts="mxfp4"), cfg, tokens, **step_options(args))
     else:                                                  # the reference reads bf16 experts
         params = load(args.checkpoint, progress=on_terminal(not args.no_progress), experts="bf16")
         logits = fn(params, cfg, tokens)

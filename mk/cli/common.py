@@ -95,6 +95,21 @@ def add_step_options(p) -> None:
                         "devices, compiled; on CPU: N virtual devices in TPU interpret mode (set up "
                         "automatically); for aot: the first N cores of --topology. Default: one device "
                         "(all devices of a multi-process job)")
+    p.add_argument("--all-reduce", choices=("one_round", "two_round"), default="one_round",
+                   help="the kernel's all-reduces: one round (every rank sends its whole message to every "
+                        "peer) or two (reduce-scatter, then all-gather of the sums: fewer bytes, two hops); "
+                        "`mk simulate` names the faster for the seed's system")
+    p.add_argument("--mxfp4-matmul", choices=("bf16", "fp8"), default="bf16",
+                   help="how the kernel's MXFP4 experts meet the MXU: 'bf16' (dequantized to a bf16 tile) or "
+                        "'fp8' (codes to e4m3, a block-diagonal LHS, 32-row group partials scaled and summed: "
+                        "spec 3.5)")
+
+
+def step_options(args) -> dict:
+    """The kernel's `make_plan` keywords from `add_step_options`' flags: {"options": ScheduleOptions}."""
+    import dataclasses
+    from mk.plan import MK
+    return {"options": dataclasses.replace(MK, all_reduce=args.all_reduce, mxfp4_matmul=args.mxfp4_matmul)}
 
 
 def use_virtual_devices(n: int | None) -> None:

@@ -29,7 +29,7 @@ import math
 import sys
 
 from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, on_terminal, progress,
-                           token_ids)
+                           step_options, token_ids)
 from mk.errors import UserError
 
 DEFAULT_CONFIG = "mini"
@@ -130,7 +130,7 @@ def _step_fn(args, params, cfg, ctx, mesh=None):
     make = getattr(kernel, "make_step_fn", None)
     if make is None:
         raise BackendError("--backend kernel needs mk.kernel.make_step_fn, which this build does not have yet")
-    return make(params, cfg, args.batch, ctx=ctx, **({} if mesh is None else {"mesh": mesh}))
+    return make(params, cfg, args.batch, ctx=ctx, **({} if mesh is None else {"mesh": mesh}), **step_options(args))
 
 
 def run(args) -> int:
@@ -237,7 +237,7 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
     if args.backend == "kernel":
         kernel = _optional_module("mk.kernel", "--backend kernel")
         verifier = kernel.KernelVerifier(params, cfg, args.batch, args.speculative, dcfg.aux_layers, ctx=ctx,
-                                         mesh=args.mesh)
+                                         mesh=args.mesh, **step_options(args))
     res = speculative.generate(params, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)),
                                args.max_new_tokens, mkdrafter.DSparkDrafter(dcfg, weights), args.speculative,
                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,

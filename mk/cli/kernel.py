@@ -33,12 +33,6 @@ def add_parser(sub):
                    help="the kernel's routed experts: MXFP4 (the random weights quantized as `mk synth` "
                         "writes them, packed in HBM, dequantized in VMEM; the reference runs on their "
                         "dequantization) or bf16 tiles")
-    p.add_argument("--all-reduce", choices=("one_round", "two_round"), default="one_round",
-                   help="the kernel's all-reduces: one round (every rank sends its whole message to every "
-                        "peer) or two (reduce-scatter, then all-gather of the sums: fewer bytes, two hops)")
-    p.add_argument("--mxfp4-matmul", choices=("bf16", "fp8"), default="bf16",
-                   help="how MXFP4 experts meet the MXU: 'bf16' (dequantized to a bf16 tile) or 'fp8' (codes to "
-                        "e4m3, a block-diagonal LHS, 32-row group partials scaled and summed: spec 3.5)")
     p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
                    help="instead: greedy speculative decoding through the kernel's verify step (K drafts "
                         "per step, a test drafter agreeing with probability --agree) against plain greedy "
@@ -66,11 +60,6 @@ def add_parser(sub):
     p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
                    help="routed experts' storage: packed MXFP4 (the checkpoint's format, dequantized in "
                         "VMEM) or bf16 tiles")
-    p.add_argument("--all-reduce", choices=("one_round", "two_round"), default="one_round",
-                   help="the kernel's all-reduces: one round (every rank sends its whole message to every "
-                        "peer) or two (reduce-scatter, then all-gather of the sums: fewer bytes, two hops)")
-    p.add_argument("--mxfp4-matmul", choices=("bf16", "fp8"), default="bf16",
-                   help="how MXFP4 experts meet the MXU: 'bf16' (dequantized tile) or 'fp8' (spec 3.5)")
     p.add_argument("--no-vmem-probe", action="store_true",
                    help="skip the second compile, under a VMEM limit of the plan's budget (vmem_compiler_fits)")
     p.add_argument("--json", action="store_true")
