@@ -18,8 +18,8 @@ Two parts:
   and unit j-1 is done, then frees its slot), so a 100-tile matmul streams through a 4-slot ring.
   A phase that reads caches/states (`hbm_bytes`, issued `hbm_lead` phases earlier) ends no
   earlier than that stream; a collective phase is one transfer on its link; a `pipelined` phase
-  (a GPU kernel) ends at max(start + compute, its last byte landed). Phase costs (`Machine.costs`): MXU `2 * rows_eff * K * N /
-  peak(dtype)` with `rows_eff = max(round_up(rows, mxu_min_rows), mxu_push_rows)` (decode matmuls
+  (a GPU kernel) ends at max(start + compute, its last byte landed). Phase costs
+  (`Machine.costs`): MXU `2 * rows_eff * K * N / peak(dtype)` with `rows_eff = max(round_up(rows, mxu_min_rows), mxu_push_rows)` (decode matmuls
   are weight-push bound, spec App. B.1), plus in-VMEM dequantization ops at the vector rate; vector
   phases `max(ops / vector_flops, bytes / vector_bw)`; a named fixed cost (routing, spec App. B.6).
 
@@ -342,13 +342,9 @@ class PhaseExecutor:
                 self.inflight.setdefault(self.p + ph.overlap + 1, []).append((self.stream, lat, ph.collective_bytes / bw))
             return
         for q in self.leads.pop(self.p, ()):      # later phases' cache / state reads issued now
-            self.early[q] = Transfer(("h", q), f"L{self.ph[q].layer}:{self.ph[q].name}:cache", self.ph[q].hbm_bytes)
-            self.eng["dma"].start(self.early[q], now)
+            self.early[q] = self._cache_read(q, now)
         if ph.hbm_bytes:
-            self.stream = self.early.pop(self.p, None)
-            if self.stream is None:
-                self.stream = Transfer(("h", self.p), f"L{ph.layer}:{ph.name}:cache", ph.hbm_bytes)
-                self.eng["dma"].start(self.stream, now)
+            self.stream = self.early.pop(self.p, None) or self._cache_read(self.p, now)
         units = self.units[self.p]
         tot = sum(tr.bytes for tr in units)
         self.shares = [tr.bytes / tot if tot > 0 else 1.0 / len(units) for tr in units] or [1.0]
@@ -356,6 +352,13 @@ class PhaseExecutor:
             self.pipe_end = now + self.compute[self.p]
             self._work(1.0, now, self.pipe_end)
         self.ready_since = now
+
+    def _cache_read(self, q: int, now: float) -> Transfer:
+        """Start phase q's own cache / state read on the HBM engine."""
+        ph = self.ph[q]
+        tr = Transfer(("h", q), f"L{ph.layer}:{ph.name}:cache", ph.hbm_bytes)
+        self.eng["dma"].start(tr, now)
+        return tr
 
     def _finish(self, now: float):
         ph = self.ph[self.p]
@@ -670,22 +673,22 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
         choices["mxfp4_matmul"] = (MK.mxfp4_matmul,)
     choices["tile"] = MK_TILES
     step: dict[tuple, tuple] = {}
+    key = lambda pick: tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in pick.items())
 
     def run(pick: dict) -> float:
-        key = tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in pick.items())
-        if key not in step:
+        if key(pick) not in step:
             opts = dataclasses.replace(MK, **{f: v for f, v in pick.items() if f != "tile"})
             p = mk_plan(cfg, batch, s, context, experts=experts, tile=pick["tile"], options=opts)
-            step[key] = (p, simulate(p, Machine.from_system(s),
-                                     distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time)
-        return step[key][1]
+            step[key(pick)] = (p, simulate(p, Machine.from_system(s),
+                                           distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time)
+        return step[key(pick)][1]
 
     # one choice at a time, the others at their best so far (each choice's effect hardly depends on
     # the others': an exhaustive search gave the same plans at B = 1, 2, 4 and 8)
     best = {f: v[0] for f, v in choices.items()}
     for f, values in choices.items():
         best[f] = min(values, key=lambda v: run({**best, f: v}))
-    plan, _ = step[tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in best.items())]
+    plan, _ = step[key(best)]
     info = {"options": plan.options.name, "experts": plan.experts, "prefetch_depth": plan.prefetch_depth,
             "tile": [plan.tile_k, plan.tile_n], "devices": plan.devices, "ep": plan.layout.ep,
             "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel,
@@ -702,7 +705,7 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
 # The options mk's kernel executes either way (`ScheduleOptions.KERNEL_FREE` less the message rows,
 # which are MK's 'packed'), and the tiles it runs bit-exact against the references (512-deep: the
 # references' K_CHUNK; the lanes are free); `mk_plan_for` models every combination, keeps the fastest.
-MK_CHOICES = ("all_reduce", "mxfp4_matmul")
+MK_CHOICES = tuple(f for f in ScheduleOptions.KERNEL_FREE if f != "message_rows")
 MK_TILES = ((512, 512), (512, 256))
 
 

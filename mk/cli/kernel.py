@@ -7,14 +7,12 @@ for bad input.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
 from mk.cli.common import (add_step_options, ctx_int, int_list, nonnegative_int, positive_float,
-                           positive_int, progress)
+                           positive_int, progress, step_options)
 from mk.errors import UserError
-from mk.plan import MK
 
 
 def add_parser(sub):
@@ -135,8 +133,7 @@ def run_check(args) -> int:
     kw = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
     layout = _layout(cfg, args.mesh)
     make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=layout, experts=args.experts,
-              options=dataclasses.replace(MK, all_reduce=args.all_reduce, mxfp4_matmul=args.mxfp4_matmul),
-              **kw)   # bad input: before any work
+              **step_options(args), **kw)   # bad input: before any work
     _enough_devices(args.mesh)
     res = check(cfg, args.batch, args.steps, args.prefetch_depth, seed=args.seed,
                 ctx=args.ctx, detect_races=not args.no_races, dma_execution_mode=args.dma_mode,
@@ -240,8 +237,7 @@ def run_aot(args) -> int:
         if args.tile:
             kw["tile"] = _tile(args.tile)
         plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, devices),
-                         experts=args.experts, options=dataclasses.replace(MK, all_reduce=args.all_reduce,
-                                                                           mxfp4_matmul=args.mxfp4_matmul), **kw)
+                         experts=args.experts, **step_options(args), **kw)
         out.update(program="megakernel", expert_format=plan.experts, expert_bytes=plan.expert_bytes,
                    routed_expert_bytes_per_step=plan.routed_expert_bytes_per_step(),
                    collectives_per_step=plan.collectives_per_step,

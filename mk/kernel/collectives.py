@@ -112,13 +112,20 @@ class Exchange:
         return [self.refs.landing[self.par, j, :, lanes] for j in range(self.plan.devices)]
 
 
-def _exchange(k, name: str, wire: jax.Array, width: int, chunk: int = 0) -> list[jax.Array]:
-    """One exchange round of collective `name`: wire [M, width] bf16 out, the N ranks' messages in."""
+def _start_exchange(k, wire: jax.Array, width: int, chunk: int = 0) -> Exchange:
+    """Start one exchange round (wire [M, width] bf16 out) on the next collective parity; the caller
+    `wait()`s for it before it starts another."""
     ring = k.ring
     ex = Exchange(k.plan, k.refs, ring.c["coll"] % 2, width, chunk)
     ex.start(wire)
-    ex.wait()
     ring.c = dict(ring.c, coll=ring.c["coll"] + 1)
+    return ex
+
+
+def _exchange(k, name: str, wire: jax.Array, width: int, chunk: int = 0) -> list[jax.Array]:
+    """One exchange round of collective `name`: wire [M, width] bf16 out, the N ranks' messages in."""
+    ex = _start_exchange(k, wire, width, chunk)
+    ex.wait()
     return ex.messages()
 
 
@@ -164,24 +171,16 @@ def all_reduce(k, name: str, partial: jax.Array) -> jax.Array:
     return _pad_rows(out, partial.shape[0])
 
 
-def all_gather(k, name: str, x: jax.Array) -> jax.Array:
-    """x [R, w] bf16 (this rank's block) -> [R, N * w] bf16, blocks in rank order (rows past the
-    message's token rows are zero)."""
-    return start_all_gather(k, name, x)()
-
-
 def start_all_gather(k, name: str, x: jax.Array):
-    """`all_gather` in two halves: the sends start now; the returned `finish()` waits for the
-    messages and returns the gathered [R, N * w] bf16. Work between the two runs while the
-    messages fly (`Phase.overlap` in the plan); it must not start another collective."""
+    """The all-gather of x [R, w] bf16 (this rank's block), in two halves: the sends start now; the
+    returned `finish()` waits for the messages and returns [R, N * w] bf16, blocks in rank order
+    (rows past the message's token rows are zero). Work between the two runs while the messages fly
+    (`Phase.overlap` in the plan); it must not start another collective."""
     if k.plan.devices == 1:
         return lambda: x
     coll, wire = _collective(k, name, x)
-    ring = k.ring
     with jax.named_scope(f"collective_{name}_start"):
-        ex = Exchange(k.plan, k.refs, ring.c["coll"] % 2, coll.width)
-        ex.start(wire)
-    ring.c = dict(ring.c, coll=ring.c["coll"] + 1)
+        ex = _start_exchange(k, wire, coll.width)
 
     def finish():
         with jax.named_scope(f"collective_{name}_wait"):

@@ -31,7 +31,7 @@ from mk.layers.common import K_CHUNK
 from mk.plan import MX_GROUP, SCALES_PER_WORD, Matrix, Plan
 
 
-def group_scales(scales, m: Matrix) -> jax.Array:
+def group_scales(scales) -> jax.Array:
     """scales [tile_k / 128, tile_n] int32 (ref; layout `mk.plan.pack_mxfp4_tiles`) -> the 32-row
     groups' 2^(s - 127) [tile_k / 32, tile_n] f32, group g in row g (built as exponent bits: exact,
     s in 2..252, `mk.plan.KERNEL_SCALE_RANGE`). Scale byte j of every word is row-group block j."""
@@ -54,7 +54,7 @@ def dequantize_tile(codes, scales, out, m: Matrix):
     separately)."""
     tk, tn = m.tile_k, m.tile_n
     values = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.bfloat16)      # [tk, tn]
-    scale = group_scales(scales, m).astype(jnp.bfloat16)
+    scale = group_scales(scales).astype(jnp.bfloat16)
     scale = jnp.broadcast_to(scale[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
     out[...] = values * scale
 
@@ -79,7 +79,7 @@ def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix):
     col_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 1) // MX_GROUP
     lhs[...] = jnp.where(row_group == col_group, xs, 0.0).astype(jnp.bfloat16)
     part = jnp.dot(lhs[...], w8[...], preferred_element_type=jnp.float32)            # [G R, tn]
-    scale = group_scales(scales, m)                                                  # [G, tn]
+    scale = group_scales(scales)                                                     # [G, tn]
     for g in range(G):
         acc = acc + part[g * R:(g + 1) * R] * scale[g:g + 1]
     return acc
