@@ -287,21 +287,20 @@ def measure(trials: int = 5, progress=None) -> dict:
         if not name.startswith("mxu"):
             continue
         step(name)
-        t = per_repeat(lambda reps: make(reps), tuple(jnp.asarray(a) for a in args), *TIMED_REPS["mxu"], trials)
+        t = per_repeat(make, tuple(jnp.asarray(a) for a in args), *TIMED_REPS["mxu"], trials)
         if name.count(".") == 1:                                     # bf16 x bf16 at R rows
             out["mxu"][int(name[5:])] = {"s": t, "push_rows": push_rows(t, MXU_K, MXU_N, peak)}
         else:
             out.setdefault("mxu_dtypes", {})[name.split(".")[1]] = {"s": t}
     for name, r in out.get("mxu_dtypes", {}).items():
         r["vs_bf16"] = r["s"] / out["mxu"][DTYPE_ROWS]["s"]
-    single, stream = [], []
+    single = []
     for nbytes in DMA_SIZES:
         step(f"dma {nbytes >> 10} KiB")
         src = jnp.asarray(rng.standard_normal((TIMED_REPS["dma"][1], nbytes // 512, 128)), jnp.float32)
         t1 = per_repeat(lambda c: dma_call(nbytes, c, 1), (src,), *TIMED_REPS["dma"], trials)
         tq = per_repeat(lambda c: dma_call(nbytes, c, DMA_INFLIGHT), (src,), *TIMED_REPS["dma"], trials)
         single.append(t1)
-        stream.append(tq)
         out["dma"][nbytes] = {"s_one_at_a_time": t1, f"s_{DMA_INFLIGHT}_inflight": tq, "stream_bw": nbytes / tq}
     latency, _ = line_fit(DMA_SIZES, single)
     step("vector")
