@@ -317,6 +317,11 @@ PRESETS: dict[str, K3Config] = {
         qk_extra=64, vocab=2048, residual_block=2, full_attention=(3,)),
     # Full K3 widths, 4 layers (dense 0, KDA 1-2, MLA 3), 32 experts: weights fit one TPU v7 core.
     "k3-slice": K3Config(layers=4, experts=32, full_attention=(3,)),
+    # Full K3 matrix widths (d 7168, latent 3584, expert hidden 3072, dense 33792, ranks, head_dim 128)
+    # on one 16 GiB chip: 3 layers (dense KDA 0, MoE KDA 1, MoE MLA 2), 16 experts top-8, 32 heads,
+    # vocab 32768. 3.0 B parameters, 6.0 GB in bf16: the kernel's packed weights and an XLA step's
+    # fit one TPU v5e side by side. The notebooks' and `mk bench`'s default on a TPU.
+    "k3-chip": K3Config(layers=3, experts=16, top_k=8, heads=32, vocab=32768, full_attention=(2,)),
 }
 
 
