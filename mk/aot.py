@@ -74,9 +74,16 @@ class CompileResult:
 
 
 def _topology(topology: str):
+    """The deviceless topology description; libtpu's refusal of the string becomes one line."""
+    from mk.errors import UserError
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "")
     from jax.experimental import topologies
-    return topologies.get_topology_desc(topology, "tpu")
+    try:
+        return topologies.get_topology_desc(topology, "tpu")
+    except jax.errors.JaxRuntimeError as e:
+        reason = str(e).splitlines()[0].split(": ", 1)[-1]
+        raise UserError(f"--topology {topology!r}: libtpu refuses it ({reason}); single-chip topologies are "
+                        f"compiled as one device of a 2x2 slice, e.g. --topology v5e:2x2 --mesh 1") from None
 
 
 def topology_devices(topology: str) -> int:

@@ -70,6 +70,24 @@ class PlanError(UserError, ValueError):
 
 # VMEM capacity per TensorCore (bytes) of the chips we compile for.
 VMEM_BYTES = {"v5e": 128 * MiB, "v5p": 96 * MiB, "v6e": 128 * MiB, "tpu7x": 64 * MiB, "cpu": 64 * MiB}
+# Chips whose MXU takes fp8 operands (the `mxfp4_matmul='fp8'` path); "cpu" is interpret mode.
+FP8_MXU = ("v6e", "tpu7x", "cpu")
+# How each chip unpacks MXFP4 codes in VMEM (`Plan.mxfp4_unpack`): 'bitcast' reinterprets int32 words
+# as E2M1 and converts (Mosaic lowers the fp4 unpack on TPU v7 only); 'shift' builds the f32 bit
+# patterns with integer shifts, masks and selects (every generation). Chips not named: 'shift'.
+MXFP4_UNPACK = {"tpu7x": "bitcast", "cpu": "bitcast"}
+# jax `device_kind` -> mk.plan chip name
+CHIP_OF_DEVICE_KIND = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+                       "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x", "TPU v7": "tpu7x", "cpu": "cpu"}
+
+
+def chip_of_device(device) -> str:
+    """The mk.plan chip name of a jax device (`jax.devices()[0]`); a device kind mk does not know
+    is refused with its name."""
+    kind = "cpu" if device.platform == "cpu" else device.device_kind
+    if kind not in CHIP_OF_DEVICE_KIND:
+        raise PlanError(f"device kind {kind!r} is not a chip mk plans for: expected one of {sorted(CHIP_OF_DEVICE_KIND)}")
+    return CHIP_OF_DEVICE_KIND[kind]
 # Default scoped VMEM limit we ask Mosaic for: what the K3 kernel uses on TPU v7.
 DEFAULT_VMEM_LIMIT = 64 * MiB
 # VMEM that Mosaic uses beyond the kernel's buffers: values with no buffer of their own (the
@@ -353,7 +371,12 @@ class ScheduleOptions:
                    scatter at B = 8, routed reduce-scatter at B in {6, 8}); 'base': none
     mxfp4_matmul   how an MXFP4 matrix meets the MXU: 'bf16': its codes converted to bf16 and scaled
                    into a bf16 tile in VMEM (mk's kernel, `mk.kernel.ring.dequantize_tile`);
-                   'fp8': bitcast to fp4, converted to fp8, block-diagonal LHS (the seed, spec 3.5)
+                   'fp8': codes converted to fp8, block-diagonal LHS (the seed, spec 3.5; chips
+                   with an fp8 MXU, `FP8_MXU`)
+    mxfp4_unpack   how the kernel turns code words into values: 'auto': the chip's (`MXFP4_UNPACK`);
+                   'shift': integer shifts and masks into f32 bit patterns (every TPU); 'bitcast':
+                   `pltpu.bitcast` to E2M1 and one conversion (TPU v7). The packed code layout
+                   follows (`pack_mxfp4_tiles`)
     """
     name: str = "custom"
     program: str = "megakernel"
@@ -368,10 +391,12 @@ class ScheduleOptions:
     all_reduce: str = "one_round"
     recipe: str = "base"
     mxfp4_matmul: str = "bf16"
+    mxfp4_unpack: str = "auto"
 
     CHOICES = {"program": ("megakernel", "per_op"), "dma": ("tile", "matrix"), "prefetch": ("ring", "lookahead"),
                "expert_issue": ("routing", "selection"), "collectives": ("merged", "seed"),
-               "message_rows": ("tile", "packed"), "all_reduce": ("one_round", "two_round"), "recipe": ("base", "tuned"), "mxfp4_matmul": ("bf16", "fp8")}
+               "message_rows": ("tile", "packed"), "all_reduce": ("one_round", "two_round"), "recipe": ("base", "tuned"), "mxfp4_matmul": ("bf16", "fp8"),
+               "mxfp4_unpack": ("auto", "shift", "bitcast")}
 
     def __post_init__(self):
         for f, allowed in self.CHOICES.items():
@@ -388,7 +413,7 @@ class ScheduleOptions:
             raise PlanError("ScheduleOptions: whole-expert slots move whole matrices (dma='matrix')")
 
     # Options the kernel executes either way (every other field must be MK's).
-    KERNEL_FREE = ("message_rows", "all_reduce", "mxfp4_matmul")
+    KERNEL_FREE = ("message_rows", "all_reduce", "mxfp4_matmul", "mxfp4_unpack")
 
     @property
     def kernel(self) -> bool:
@@ -631,6 +656,13 @@ class Plan:
     def experts(self) -> str:
         """Storage format of the routed experts ("bf16" or "mxfp4")."""
         return self.expert_gu.format
+
+    @property
+    def mxfp4_unpack(self) -> str:
+        """How the kernel unpacks MXFP4 code words on this plan's chip: 'shift' or 'bitcast'
+        (`ScheduleOptions.mxfp4_unpack`; 'auto' takes the chip's, `MXFP4_UNPACK`)."""
+        u = self.options.mxfp4_unpack
+        return MXFP4_UNPACK.get(self.chip, "shift") if u == "auto" else u
 
     @property
     def expert_bytes(self) -> int:
@@ -944,6 +976,9 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
         raise PlanError(f"experts must be one of {FORMATS}, found {experts!r}")
     if experts == "mxfp4" and options.kernel:
         _check_mxfp4(cfg, tk, layout)
+        if options.mxfp4_matmul == "fp8" and chip not in FP8_MXU:
+            raise PlanError(f"mxfp4_matmul='fp8' needs an fp8 MXU, which {chip} lacks "
+                            f"(chips with one: {', '.join(c for c in FP8_MXU if c != 'cpu')}); use 'bf16'")
 
     mt = (tk, tn) if options.dma == "tile" else (None, None)       # 'matrix': one tile per matrix
     streams = []
@@ -1224,13 +1259,18 @@ def mxfp4_codes_kn(packed: np.ndarray) -> np.ndarray:
     return np.swapaxes(codes, -1, -2)
 
 
-def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int) -> tuple[np.ndarray, np.ndarray]:
+def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
+                     unpack: str = "bitcast") -> tuple[np.ndarray, np.ndarray]:
     """codes u8 [..., k_pad, n_pad] (values 0..15), scales u8 [..., k_pad / 32, n_pad] -> the
     stream-ordered tiles: (codes int32 [..., T, tk / 8, tn], scales int32 [..., T, tk / 128, tn]).
 
-    Code words hold tile rows 8w .. 8w + 7 of a column, row 8w + j in bits 4j .. 4j + 3 (spec 2.3's
-    kernel layout, the order in which `pltpu.bitcast` unpacks an int32 [r, n] into E2M1 [8r, n]);
-    scale byte j of word w is row-group block j (group j * tk / 128 + w)."""
+    Code words, by how the kernel unpacks them (`Plan.mxfp4_unpack`): 'bitcast': word w holds tile
+    rows 8w .. 8w + 7 of a column, row 8w + j in bits 4j .. 4j + 3 (spec 2.3's kernel layout, the
+    order in which `pltpu.bitcast` unpacks an int32 [r, n] into E2M1 [8r, n]); 'shift': planes, row
+    j * tk / 8 + w in bits 4j .. 4j + 3 (a shift by 4j gives rows j * tk / 8 .. as one block).
+    Scale byte j of word w is row-group block j (group j * tk / 128 + w)."""
+    if unpack not in ("bitcast", "shift"):
+        raise PlanError(f"unpack must be 'bitcast' or 'shift', found {unpack!r}")
     *lead, kp, npad = codes.shape
     kt, nt = kp // tk, npad // tn
 
@@ -1250,7 +1290,7 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int) ->
             w |= x[..., j, :, :].astype(np.uint32) << np.uint32(bits * j)
         return w.view(np.int32)
 
-    return (words(tiles(codes, tk), CODES_PER_WORD, 4, True),
+    return (words(tiles(codes, tk), CODES_PER_WORD, 4, unpack == "bitcast"),
             words(tiles(scales, tk // MX_GROUP), SCALES_PER_WORD, 8, False))
 
 
@@ -1319,7 +1359,7 @@ def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
             for m, (cm, sm) in ((gu, (a, sa)), (dn, (b, sb))):
                 t0 = 0 if m is gu else gu.tiles
                 codes_out[i, ex, t0:t0 + m.tiles], scales_out[i, ex, t0:t0 + m.tiles] = \
-                    pack_mxfp4_tiles(cm, sm, tk, tn)
+                    pack_mxfp4_tiles(cm, sm, tk, tn, plan.mxfp4_unpack)
         del layer
     return {"expert_codes": codes_out, "expert_scales": scales_out}
 

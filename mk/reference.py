@@ -28,7 +28,7 @@ from mk.layers.common import BF16, F32, K_CHUNK, bf, mm, rms, rows_padded
 from mk.layers.dense_mlp import dense_mlp
 from mk.layers.kda import kda_tokens
 from mk.layers.mla import mla_tokens
-from mk.layers.moe import moe
+from mk.layers.moe import moe, route_margin
 
 DEFAULT_CTX = 256
 
@@ -51,14 +51,19 @@ def layer_slice(tree: dict, i: int) -> dict:
     return {k: v[i] for k, v in tree.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "expert_k_chunk"))
-def decode_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, expert_k_chunk: int = K_CHUNK):
+@functools.partial(jax.jit, static_argnames=("cfg", "expert_k_chunk", "route_margins"))
+def decode_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, expert_k_chunk: int = K_CHUNK,
+                route_margins: bool = False):
     """tokens [B] int32 -> (logits [B, V] f32, cache advanced by one position).
 
     The one-token case of `verify_step` (T = 1, the only row accepted). expert_k_chunk: the routed
-    experts' matmul slice depth, the kernel's (`mk.kernel.expert_k_chunk`)."""
-    logits, block = run_block(params, cache, tokens[:, None], cfg, expert_k_chunk=expert_k_chunk)
-    return logits[:, 0], commit(cache, block, jnp.zeros_like(cache["pos"]))
+    experts' matmul slice depth, the kernel's (`mk.kernel.expert_k_chunk`). route_margins: also
+    return each row's routing margin in every MoE layer, [B, n_moe] f32 (`mk.layers.moe.route_margin`:
+    how near the expert choice was to a tie), as a third output."""
+    logits, block = run_block(params, cache, tokens[:, None], cfg, expert_k_chunk=expert_k_chunk,
+                              route_margins=route_margins)
+    out = logits[:, 0], commit(cache, block, jnp.zeros_like(cache["pos"]))
+    return out + (block["route_margin"][:, 0],) if route_margins else out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "aux_layers"))
@@ -86,12 +91,13 @@ def commit(cache: dict, block: dict, count: jax.Array) -> dict:
 
 
 def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_layers: Sequence[int] = (),
-              expert_k_chunk: int = K_CHUNK):
+              expert_k_chunk: int = K_CHUNK, route_margins: bool = False):
     """T consecutive tokens per row through the model: tokens [B, T] -> (logits [B, T, V] f32, block).
 
     block: kda_state [B, T, n_kda, H, D, D] and conv_state [B, T, n_kda, 3, C-1, HD] (the states
     after each token), mla_k / mla_v (all T slots written), aux [B, T, len(aux_layers), d] bf16 (the
-    running prefix p with which each layer in aux_layers starts, spec 4.1: the drafter's context).
+    running prefix p with which each layer in aux_layers starts, spec 4.1: the drafter's context);
+    with route_margins, route_margin [B, T, n_moe] f32 (`mk.layers.moe.route_margin`).
     """
     B, T = tokens.shape
     bad = [l for l in aux_layers if not 0 < l < cfg.layers]
@@ -104,7 +110,7 @@ def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_l
     rows = lambda x: x.reshape(B, T, -1)
     p = params["embed"][tokens.reshape(B * T)]                     # [B*T, d] bf16, b_0 = p
     blocks: list[jax.Array] = []
-    aux = []
+    aux, margins = [], []
     for l in range(cfg.layers):
         if l in aux_layers:
             aux.append(p)
@@ -126,6 +132,9 @@ def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_l
         m = rows_padded(rms, x, lw["ffn_norm"], cfg.eps)
         z = dense_mlp(m, params["dense"], cfg) if l == 0 else moe(m, layer_slice(params["moe"], l - 1), cfg,
                                                                   expert_k_chunk)
+        if route_margins and l > 0:
+            w = layer_slice(params["moe"], l - 1)
+            margins.append(route_margin(m, w["router"], w["router_bias"], cfg.top_k))
         p = bf(p + z)
     logits = final_logits(params, p, blocks, cfg).reshape(B, T, -1)
     order = [sorted(aux_layers).index(l) for l in aux_layers]      # aux in the caller's order
@@ -133,6 +142,8 @@ def run_block(params: dict, cache: dict, tokens: jax.Array, cfg: K3Config, aux_l
              "mla_k": mla_k, "mla_v": mla_v,
              "aux": (jnp.stack([rows(aux[j]) for j in order], axis=2) if aux else
                      jnp.zeros((B, T, 0, cfg.dim), BF16))}
+    if route_margins:
+        block["route_margin"] = jnp.stack(margins, axis=-1).reshape(B, T, -1)
     return logits, block
 
 

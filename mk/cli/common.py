@@ -103,13 +103,18 @@ def add_step_options(p) -> None:
                    help="how the kernel's MXFP4 experts meet the MXU: 'bf16' (dequantized to a bf16 tile) or "
                         "'fp8' (codes to e4m3, a block-diagonal LHS, 32-row group partials scaled and summed: "
                         "spec 3.5)")
+    p.add_argument("--mxfp4-unpack", choices=("auto", "shift", "bitcast"), default="auto",
+                   help="how the kernel unpacks MXFP4 codes: 'shift' (integer shifts and masks, every TPU), "
+                        "'bitcast' (the fp4 unpack, TPU v7 only), 'auto' (the chip's: bitcast on TPU v7 and in "
+                        "interpret mode, shift elsewhere)")
 
 
 def step_options(args) -> dict:
     """The kernel's `make_plan` keywords from `add_step_options`' flags: {"options": ScheduleOptions}."""
     import dataclasses
     from mk.plan import MK
-    return {"options": dataclasses.replace(MK, all_reduce=args.all_reduce, mxfp4_matmul=args.mxfp4_matmul)}
+    return {"options": dataclasses.replace(MK, all_reduce=args.all_reduce, mxfp4_matmul=args.mxfp4_matmul,
+                                           mxfp4_unpack=args.mxfp4_unpack)}
 
 
 def use_virtual_devices(n: int | None) -> None:

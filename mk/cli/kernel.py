@@ -38,6 +38,12 @@ def add_parser(sub):
     p.add_argument("--new-tokens", type=positive_int, default=64)
     p.add_argument("--prompt-len", type=positive_int, default=100)
     p.add_argument("--agree", type=float, default=0.6)
+    p.add_argument("--exact", action="store_true",
+                   help="pass only if every logit and cache element is bit-identical to the reference "
+                        "(what mk claims in interpret mode on CPU)")
+    p.add_argument("--fault", choices=("moe_combine_sign",), default=None,
+                   help="check a deliberately broken kernel (routed experts combined with negated weights): "
+                        "shows the check fails a wrong kernel; exit 1 expected")
     p.add_argument("--json", action="store_true")
     add_step_options(p)
     p.set_defaults(func=run_check)
@@ -132,13 +138,20 @@ def run_check(args) -> int:
         raise UserError(f"--steps ({args.steps}) exceed --ctx {args.ctx}")
     kw = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
     layout = _layout(cfg, args.mesh)
-    make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=layout, experts=args.experts,
-              **step_options(args), **kw)   # bad input: before any work
+    from mk.kernel import attached_chip, on_tpu
+    make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=layout, experts=args.experts or "mxfp4",
+              chip=attached_chip(), **step_options(args), **kw)   # bad input: before any work
     _enough_devices(args.mesh)
+    from mk.kernel import fits_attached_chip
+    if args.exact and on_tpu():
+        raise UserError("--exact: bit-identity is the CPU claim (interpret mode); on a TPU the check compares "
+                        "the kernel with XLA on the chip")
+    fits_attached_chip(cfg, args.experts or "mxfp4", batch=args.batch, ctx=args.ctx)
     res = check(cfg, args.batch, args.steps, args.prefetch_depth, seed=args.seed,
                 ctx=args.ctx, detect_races=not args.no_races, dma_execution_mode=args.dma_mode,
                 progress=not args.json, mesh=args.mesh or 1, experts=args.experts, all_reduce=args.all_reduce,
-                mxfp4_matmul=args.mxfp4_matmul)
+                mxfp4_matmul=args.mxfp4_matmul, mxfp4_unpack=args.mxfp4_unpack, exact=args.exact,
+                fault=args.fault)
     if args.json:
         print(json.dumps(_finite(res), indent=1, allow_nan=False))
     else:

@@ -23,7 +23,7 @@ from mk.kernel.decode import (KERNEL_NAME, build_call, commit, default_mesh, int
                               make_verify_step, on_tpu)
 from mk.plan import Plan, make_plan, pack_weights
 
-__all__ = ["experts_format", "KERNEL_NAME", "build_call", "default_mesh", "interpret_params", "make_decode_step",
+__all__ = ["attached_chip", "fits_attached_chip", "kernel_weight_bytes", "experts_format", "KERNEL_NAME", "build_call", "default_mesh", "interpret_params", "make_decode_step",
            "kernel_weights", "place_cache", "make_step_fn", "teacher_forced_logits", "make_plan", "on_tpu",
            "KernelVerifier", "commit", "make_verify_step"]
 
@@ -97,6 +97,47 @@ def place_cache(cache: dict, mesh) -> dict:
         {k: jax.device_put(v, NamedSharding(mesh, P(*CACHE_SPECS[k]))) for k, v in cache.items()})
 
 
+def attached_chip() -> str:
+    """The mk.plan chip the kernel runs on: the attached TPU's generation on a TPU backend; in
+    interpret mode "tpu7x", the generation mk's design targets (VMEM budget, MXFP4 unpack)."""
+    from mk.plan import chip_of_device
+    return chip_of_device(jax.devices()[0]) if on_tpu() else "tpu7x"
+
+
+def kernel_weight_bytes(plan: Plan) -> int:
+    """HBM bytes of one device's packed kernel weights (`kernel_weights`), from the plan alone."""
+    from mk.aot import kernel_weight_shapes
+    return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in kernel_weight_shapes(plan).values())
+
+
+def fits_attached_chip(cfg: K3Config, experts: str = "bf16", *, kernel: bool = True, xla: bool = True,
+                       batch: int = 8, ctx: int = 256) -> dict:
+    """On a TPU backend, refuse in one line (`mk.errors.UserError`), before anything is allocated,
+    a config whose weights do not fit the attached chip: the kernel's packed weights (`kernel`)
+    plus a bf16 parameter tree for an XLA step (`xla`), against the device's memory limit. Returns
+    the figures ({} on CPU, where the weights live in host memory)."""
+    if not on_tpu():
+        return {}
+    from mk import params as params_mod
+    from mk.errors import UserError
+    from mk.reference import init_cache
+    dev = jax.devices()[0]
+    limit = (dev.memory_stats() or {}).get("bytes_limit")
+    need = {}
+    if kernel:
+        need["kernel weights"] = kernel_weight_bytes(make_plan(cfg, batch, ctx=ctx, experts=experts, check=False,
+                                                               chip=attached_chip()))
+    if xla:
+        need["XLA parameters (bf16)"] = params_mod.nbytes(params_mod.shapes(cfg))
+    need["caches"] = params_mod.nbytes(jax.eval_shape(lambda: init_cache(cfg, batch, ctx)))
+    total = sum(need.values())
+    if limit and total > limit:
+        parts = " + ".join(f"{k} {v / 1e9:.2f}" for k, v in need.items())
+        raise UserError(f"config does not fit the attached {dev.device_kind}: {parts} = {total / 1e9:.2f} GB "
+                        f"> {limit / 1e9:.2f} GB of device memory (try --config k3-chip)")
+    return {"need_bytes": need, "total_bytes": total, "limit_bytes": limit}
+
+
 def expert_k_chunk(plan: Plan) -> int:
     """The depth of the K slices the kernel's routed-expert matmuls sum in order, for the references
     to mirror (`mk.layers.common.mm`): MX_GROUP for MXFP4 experts on the fp8 path (group partials,
@@ -118,6 +159,7 @@ def _plan_for(params: dict, cfg: K3Config, batch: int, prefetch_depth, ctx, mesh
 
     kw = dict(plan_kw)
     kw.setdefault("experts", experts_format(params))
+    kw.setdefault("chip", attached_chip())
     if prefetch_depth is not None:
         kw["prefetch_depth"] = prefetch_depth
     if mesh is not None and mesh > 1 and "layout" not in kw:

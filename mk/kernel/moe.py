@@ -26,6 +26,8 @@ weights never straddle two blocks; the kernel itself only moves whole blocks.
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -83,6 +85,22 @@ def publish_distinct(k, layer, any_row):
     return count
 
 
+# -1.0 only inside `negated_combine()`: a deliberately wrong kernel (routed experts combined with
+# negated weights) that `mk check --fault moe_combine_sign` uses to show the check catches a bug.
+COMBINE_SIGN = 1.0
+
+
+@contextlib.contextmanager
+def negated_combine():
+    """Kernels traced inside combine the routed experts with negated weights (a planted bug)."""
+    global COMBINE_SIGN
+    COMBINE_SIGN = -1.0
+    try:
+        yield
+    finally:
+        COMBINE_SIGN = 1.0
+
+
 def moe(k, m, layer):
     """m [R, d] bf16 (normalized input) -> z [R, d] bf16."""
     cfg, r, ring, plan = k.cfg, k.refs, k.ring, k.plan
@@ -115,6 +133,8 @@ def moe(k, m, layer):
             g, u = (bf(gu_m.part(n).cols(gu)) for n in ("w1", "w3"))
             out = bf(ring.matmul(situ(g, u, cfg.situ_beta, cfg.situ_linear_beta), down_m)[:, :plan.latent_padded])
             weight = jnp.sum(jnp.where(lane == e, r.route_coef[...], 0.0), axis=-1, keepdims=True)
+            if COMBINE_SIGN != 1.0:                                         # the planted bug only
+                weight = COMBINE_SIGN * weight
             r.routed_acc[...] = r.routed_acc[...] + weight * f32(out)
         ring.fori(0, n_distinct, expert)
     with jax.named_scope("moe_latent_up"):

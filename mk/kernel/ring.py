@@ -16,7 +16,8 @@ experts (`publish_routing`).
 Tiles land in the slot pool of their matrix's storage format (`Matrix.format`): bf16 tiles in
 `slots`; MXFP4 expert tiles (`plan.experts == "mxfp4"`) in their own `code_slots` / `scale_slots`
 with their own semaphores, and are dequantized into the bf16 `dequant` buffer right before their
-matmul (`dequantize_tile`). One cursor, one stream order, one prefetch depth for both pools; a
+matmul (`dequantize_tile`, by the plan's `mxfp4_unpack`: integer shifts on every TPU, the fp4
+bitcast on TPU v7). One cursor, one stream order, one prefetch depth for both pools; a
 pool's slot is its own issue count mod `num_slots`.
 """
 from __future__ import annotations
@@ -28,52 +29,89 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.layers.common import K_CHUNK
-from mk.plan import MX_GROUP, SCALES_PER_WORD, Matrix, Plan
+from mk.plan import CODES_PER_WORD, MX_GROUP, SCALES_PER_WORD, Matrix, Plan
+
+
+def group_exponents(scales) -> jax.Array:
+    """scales [tile_k / 128, tile_n] int32 (ref; layout `mk.plan.pack_mxfp4_tiles`) -> the 32-row
+    groups' E8M0 bytes s [tile_k / 32, tile_n] int32, group g in row g. Scale byte j of every word
+    is row-group block j."""
+    s_words = scales[...]
+    return jnp.concatenate([jax.lax.shift_right_logical(s_words, 8 * j) & 255 for j in range(SCALES_PER_WORD)],
+                           axis=0)                                                 # [tk / 32, tn]
 
 
 def group_scales(scales) -> jax.Array:
-    """scales [tile_k / 128, tile_n] int32 (ref; layout `mk.plan.pack_mxfp4_tiles`) -> the 32-row
-    groups' 2^(s - 127) [tile_k / 32, tile_n] f32, group g in row g (built as exponent bits: exact,
-    s in 2..252, `mk.plan.KERNEL_SCALE_RANGE`). Scale byte j of every word is row-group block j."""
-    s_words = scales[...]
-    group = jnp.concatenate([jax.lax.shift_right_logical(s_words, 8 * j) & 255 for j in range(SCALES_PER_WORD)],
-                            axis=0)                                                 # [tk / 32, tn]
-    return jax.lax.bitcast_convert_type(group << 23, jnp.float32)
+    """scales as `group_exponents` -> the groups' 2^(s - 127) [tile_k / 32, tile_n] f32, built as
+    exponent bits: exact (s in 2..252, `mk.plan.KERNEL_SCALE_RANGE`)."""
+    return jax.lax.bitcast_convert_type(group_exponents(scales) << 23, jnp.float32)
 
 
-def dequantize_tile(codes, scales, out, m: Matrix):
+def e2m1_bits(nibbles, exponent) -> jax.Array:
+    """nibbles [r, n] int32 whose low 4 bits are E2M1 codes (higher bits ignored), exponent [r, n]
+    int32: (s - 1) << 23 for a scale 2^(s - 127) -> the f32 bit patterns of value(code) * 2^(s - 127).
+
+    E2M1 is sign | e (2 bits) | m: 0, 0.5 (e = 0) and 2^(e - 1) (1 + m / 2). Shifted left by 22,
+    e and m land on the low exponent bits and the top mantissa bit of an f32: adding (s - 1) << 23
+    gives the exponent e + s - 1 of value * 2^(s - 127) for e >= 1; the subnormal 0.5 is 2^(s - 128),
+    exponent s - 1 with no mantissa: `exponent` itself. Integer ops only, no rounding: exact for
+    s in 2..252, where every product is a normal f32 (and bf16) number."""
+    em = (nibbles & 7) << 22                                     # e, m at f32 bits 23-24, 22
+    mag = jnp.where(em >= 2 << 22, em + exponent, jnp.where(em == 1 << 22, exponent, 0))
+    return mag | ((nibbles & 8) << 28)                           # the sign bit
+
+
+def unpack_codes(codes, exponent, unpack: str) -> jax.Array:
+    """codes [tile_k / 8, tile_n] int32 ref (layout: `mk.plan.pack_mxfp4_tiles` for `unpack`) ->
+    [tile_k, tile_n] value(code) * 2^(s - 127) (f32; bf16 for 'bitcast') for exponent rows
+    [tile_k, tile_n] int32 ((s - 1) << 23, see `e2m1_bits`).
+
+    'shift' (every TPU): plane j of the words (a logical shift by 4j) is rows j tk/8 .. (j + 1)
+    tk/8 - 1, concatenated along the sublanes; then `e2m1_bits`: about 10 integer ops per weight.
+    'bitcast' (TPU v7): `pltpu.bitcast` to E2M1 (row 8w + j = bits 4j .. of word w), one conversion
+    to bf16 and a multiply by the power of two (exact)."""
+    if unpack == "bitcast":
+        scale = jax.lax.bitcast_convert_type(exponent + (1 << 23), jnp.float32).astype(jnp.bfloat16)
+        return pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.bfloat16) * scale
+    words = codes[...]                                                                 # [tk / 8, tn]
+    nibbles = jnp.concatenate([jax.lax.shift_right_logical(words, 4 * j) for j in range(CODES_PER_WORD)],
+                              axis=0)                                                  # [tk, tn]
+    return jax.lax.bitcast_convert_type(e2m1_bits(nibbles, exponent), jnp.float32)
+
+
+def dequantize_tile(codes, scales, out, m: Matrix, unpack: str = "shift"):
     """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
     layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref, exactly
     value(code) * 2^(s - 127).
 
-    The words are reinterpreted as E2M1 (`pltpu.bitcast`: row 8w + j is bits 4j .. 4j + 3 of word
-    w) and converted to bf16, which holds every E2M1 value exactly. Each group's 2^(s - 127)
-    (`group_scales`) is cast to bf16 (exact) and broadcast over its 32 rows. The product of an E2M1
-    value and a power of two is exact in bf16. Per weight: the conversion, the scale broadcast, the
-    multiply and the store: 4 vector ops (whole-tile ops: interpret mode runs each primitive
-    separately)."""
+    Each group's exponent (s - 1) << 23 (`group_exponents`) is broadcast over its 32 rows and the
+    codes unpacked by `unpack_codes` ('shift' | 'bitcast', the plan's `mxfp4_unpack`); bf16 holds
+    every product exactly. Whole-tile ops (interpret mode runs each primitive separately)."""
     tk, tn = m.tile_k, m.tile_n
-    values = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.bfloat16)      # [tk, tn]
-    scale = group_scales(scales).astype(jnp.bfloat16)
-    scale = jnp.broadcast_to(scale[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
-    out[...] = values * scale
+    exponent = (group_exponents(scales) - 1) << 23                                     # [tk / 32, tn]
+    exponent = jnp.broadcast_to(exponent[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
+    out[...] = unpack_codes(codes, exponent, unpack).astype(jnp.bfloat16)
 
 
-def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix):
+def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix, unpack: str = "shift"):
     """acc [R, tile_n] f32 + x [R, tile_k] bf16 @ one MXFP4 tile on the fp8 path (spec 3.5): the
-    codes converted to float8_e4m3fn (exact: E2M1 values are e4m3 values) into `w8` [tile_k,
-    tile_n]; a block-diagonal LHS `lhs` [G R, tile_k] bf16 (G = tile_k / 32 groups; block g holds
-    x's columns of group g, zeros elsewhere); one MXU dot gives every group's partial product
-    [G R, tile_n] f32; each is scaled by its group's 2^(s - 127) and added to acc in group order.
+    codes' values (`unpack_codes` with scale 1) converted to float8_e4m3fn (exact: E2M1 values are
+    e4m3 values) into `w8` [tile_k, tile_n]; a block-diagonal LHS `lhs` [G R, tile_k] bf16 (G =
+    tile_k / 32 groups; block g holds x's columns of group g, zeros elsewhere); one MXU dot gives
+    every group's partial product [G R, tile_n] f32; each is scaled by its group's 2^(s - 127) and
+    added to acc in group order.
 
     Exactness: a bf16 x E2M1 product has at most 10 significant bits (exact in fp32), the zeros add
     nothing, and scaling by a power of two commutes with rounding, so the result is the fp32 sum,
     group by group in order, of the dequantized weights' products: `mk.layers.common.mm` with
-    `k_chunk = MX_GROUP` (what `mk.kernel.expert_k_chunk` tells the references). Per weight: one
-    conversion and its store (DEQUANT_OPS['fp8'] = 1); the scale multiply-adds are per group."""
+    `k_chunk = MX_GROUP` (what `mk.kernel.expert_k_chunk` tells the references). Per weight: the
+    unpack and its store; the scale multiply-adds are per group."""
     tk, tn = m.tile_k, m.tile_n
     G, R = tk // MX_GROUP, x.shape[0]
-    w8[...] = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn)   # [tk, tn]
+    if unpack == "bitcast":
+        w8[...] = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn)   # [tk, tn]
+    else:                                                                            # scale 2^0
+        w8[...] = unpack_codes(codes, jnp.full((tk, tn), 126 << 23, jnp.int32), unpack).astype(jnp.float8_e4m3fn)
     xs = jnp.concatenate([x.astype(jnp.float32)] * G, axis=0)                        # [G R, tk]
     row_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 0) // R
     col_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 1) // MX_GROUP
@@ -211,7 +249,7 @@ class WeightRing:
         """The bf16 [tile_k, tile_n] ref of the tile in `slot` of m's pool (mxfp4: dequantized now)."""
         if m.format == "mxfp4":
             r = self.r
-            dequantize_tile(r.code_slots.at[slot], r.scale_slots.at[slot], r.dequant, m)
+            dequantize_tile(r.code_slots.at[slot], r.scale_slots.at[slot], r.dequant, m, self.plan.mxfp4_unpack)
             return r.dequant
         return self.r.slots.at[slot]
 
@@ -236,7 +274,7 @@ class WeightRing:
                     r = self.r
                     xk = xbuf[:, pl.ds(pl.multiple_of(k * tk, tk), tk)]
                     acc = fp8_tile_product(acc, xk, r.code_slots.at[slot], r.scale_slots.at[slot], r.mx_lhs,
-                                           r.dequant, m)
+                                           r.dequant, m, self.plan.mxfp4_unpack)
                 else:
                     w = self.tile(m, slot)
                     for c in range(0, tk, chunk):   # K_CHUNK-deep products, summed in order (as mk.layers.common.mm)

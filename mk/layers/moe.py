@@ -32,6 +32,15 @@ def route(m, router, bias, top_k: int):
     return ids, jnp.take_along_axis(chosen, order, axis=-1) / denom
 
 
+def route_margin(m, router, bias, top_k: int) -> jax.Array:
+    """m [B, d] bf16 -> [B] f32: the gap between the top_k-th and the (top_k + 1)-th of score + bias,
+    how far each row's expert choice is from a tie (inf when every expert is chosen)."""
+    if top_k >= router.shape[-1]:
+        return jnp.full((m.shape[0],), jnp.inf, F32)
+    v, _ = jax.lax.top_k(sigmoid(mm(m, router)) + bias[None], top_k + 1)
+    return v[:, top_k - 1] - v[:, top_k]
+
+
 def expert(l, w1, w3, w2, cfg: K3Config, k_chunk: int = K_CHUNK):
     """One routed expert on latent rows: l [R, Lt] bf16, w1/w3 [Lt, Fe], w2 [Fe, Lt] -> [R, Lt] bf16.
     k_chunk: the depth of the K slices its matmuls sum in order (`mm`)."""
