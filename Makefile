@@ -52,8 +52,8 @@ test: $(STAMP) browser
 SHARDED_CASES ?= 8:1:on_wait:bf16 8:2:on_wait:bf16 8:4:on_wait:bf16 8:8:on_wait:bf16 8:1:eager:bf16 8:2:eager:bf16 8:4:eager:bf16 8:8:eager:bf16 8:1:on_wait:fp8 8:8:eager:fp8 4:4:on_wait:bf16 4:1:eager:fp8 2:2:on_wait:bf16 2:8:eager:bf16
 check-sharded: $(STAMP)
 	@for c in $(SHARDED_CASES); do set -- $$(echo $$c | tr : ' '); \
-	  echo "== mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8"; \
-	  $(PY) -m mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8 || exit 1; \
+	  echo "== mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8 --exact"; \
+	  $(PY) -m mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8 --exact || exit 1; \
 	done
 
 clean:

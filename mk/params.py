@@ -91,43 +91,93 @@ _NORMS = {("final_norm",), ("layer", "attn_norm"), ("layer", "ffn_norm"), ("kda"
 OUTPUT_DAMPING = 0.25
 
 
-def init(cfg: K3Config, seed: int = 0) -> dict:
+# Above this many parameters `init` draws on the default device (`jax.random`) instead of host numpy:
+# 3 B parameters took 104 s of host numpy on a TPU VM.
+DEVICE_INIT_ABOVE = 1 << 29
+
+
+def _family(cfg: K3Config, key: tuple, shape) -> tuple[str, float, float]:
+    """How `init` draws one family: (distribution, scale, offset); x = offset + scale * N(0, 1) for
+    "normal" and "matrix" (numpy draws matrices in float32); "conv", "a_log" and "router_bias" are
+    special (see `init`)."""
+    if key in _NORMS:
+        return "normal", 0.05, 1.0
+    if key in {("output_res",), ("layer", "attn_res"), ("layer", "mlp_res")}:
+        return "normal", 0.5 / np.sqrt(cfg.dim), 0.0                  # scores ~ N(0, 0.25)
+    if key == ("embed",):
+        return "normal", 1.0, 0.0
+    if key == ("kda", "dt_bias"):
+        return "normal", 0.5, 0.0
+    if key in {("kda", "conv"), ("kda", "a_log"), ("moe", "router_bias")}:
+        return key[1], 0.0, 0.0
+    scale = 1.0 / np.sqrt(shape[-2])                                   # a matrix [..., in, out]
+    return "matrix", scale * (OUTPUT_DAMPING if key in _DAMPED else 1.0), 0.0
+
+
+def init(cfg: K3Config, seed: int = 0, *, on_device: bool | None = None) -> dict:
     """Random parameters for any config, well-behaved in the sense of the module docstring.
 
-    Deterministic in (cfg, seed). Host-side numpy, so the same seed gives the same weights on any
-    backend; returns jax arrays with the dtypes of `shapes(cfg)`.
+    Deterministic in (cfg, seed); returns jax arrays with the dtypes of `shapes(cfg)`. Host-side
+    numpy (the same weights on any backend) unless `on_device` (default: more than
+    DEVICE_INIT_ABOVE parameters), where each family is drawn by `jax.random` on the default device
+    from the same distributions (seconds for billions of parameters; other values than numpy's).
     """
+    if on_device is None:
+        on_device = num_params(cfg) > DEVICE_INIT_ABOVE
+    if on_device:
+        return _init_on_device(cfg, seed)
     rng = np.random.default_rng(seed)
     structs = shapes(cfg)
 
     def make(path, s: jax.ShapeDtypeStruct):
         key = tuple(p.key for p in path)
         shape = s.shape
-        if key in _NORMS:
-            x = 1.0 + 0.05 * rng.standard_normal(shape)
-        elif key in {("output_res",), ("layer", "attn_res"), ("layer", "mlp_res")}:
-            x = 0.5 / np.sqrt(cfg.dim) * rng.standard_normal(shape)  # scores ~ N(0, 0.25)
-        elif key == ("embed",):
-            x = rng.standard_normal(shape)
-        elif key == ("kda", "conv"):
+        kind, scale, offset = _family(cfg, key, shape)
+        if kind == "conv":
             # Causal filter with most weight on the current token (tap conv_size - 1).
             x = 0.1 * rng.standard_normal(shape)
             x[..., -1, :] += 1.0
-        elif key == ("kda", "a_log"):
+        elif kind == "a_log":
             x = np.log(rng.uniform(1.0, 16.0, shape))
-        elif key == ("kda", "dt_bias"):
-            x = 0.5 * rng.standard_normal(shape)
-        elif key == ("moe", "router_bias"):
+        elif kind == "router_bias":
             x = _decisive_router_bias(rng, shape, cfg.top_k)
-        else:  # a matrix [..., in, out]
-            fan_in = shape[-2]
-            scale = 1.0 / np.sqrt(fan_in)
-            if key in _DAMPED:
-                scale *= OUTPUT_DAMPING
+        elif kind == "matrix":
             x = scale * rng.standard_normal(shape, dtype=np.float32)
+        else:
+            x = offset + scale * rng.standard_normal(shape)
         return jnp.asarray(np.asarray(x, np.float32), s.dtype)
 
     return jax.tree_util.tree_map_with_path(make, structs)
+
+
+def _init_on_device(cfg: K3Config, seed: int) -> dict:
+    """`init`'s distributions drawn with `jax.random` on the default device, one family at a time
+    (key: the family's index in the flattened tree); the router biases stay host numpy (tiny)."""
+    from functools import partial
+
+    @partial(jax.jit, static_argnames=("shape", "dtype", "kind", "scale", "offset"))
+    def draw(key, shape, dtype, kind, scale, offset):
+        if kind == "conv":
+            x = 0.1 * jax.random.normal(key, shape, F32)
+            x = x.at[..., -1, :].add(1.0)
+        elif kind == "a_log":
+            x = jnp.log(jax.random.uniform(key, shape, F32, 1.0, 16.0))
+        else:
+            x = offset + scale * jax.random.normal(key, shape, F32)
+        return x.astype(dtype)
+
+    leaves, tree = jax.tree_util.tree_flatten_with_path(shapes(cfg))
+    root = jax.random.key(seed)
+    out = []
+    for i, (path, s) in enumerate(leaves):
+        key = tuple(p.key for p in path)
+        kind, scale, offset = _family(cfg, key, s.shape)
+        if kind == "router_bias":
+            x = jnp.asarray(_decisive_router_bias(np.random.default_rng(seed), s.shape, cfg.top_k), s.dtype)
+        else:
+            x = draw(jax.random.fold_in(root, i), s.shape, s.dtype, kind, float(scale), float(offset))
+        out.append(jax.block_until_ready(x))
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 def _decisive_router_bias(rng, shape, top_k):

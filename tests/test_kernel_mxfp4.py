@@ -61,7 +61,7 @@ def _run_dequant(codes, scales, m, unpack="bitcast"):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
-    from mk.kernel import interpret_params
+    from mk.kernel import interpret_params, on_tpu
     from mk.kernel.ring import dequantize_tile
 
     def kernel(c_ref, s_ref, o_ref):
@@ -71,7 +71,8 @@ def _run_dequant(codes, scales, m, unpack="bitcast"):
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((codes.shape[0], m.tile_k, m.tile_n), jnp.bfloat16),
                          in_specs=[vmem, vmem], out_specs=vmem,
-                         interpret=interpret_params(detect_races=True))(jnp.asarray(codes), jnp.asarray(scales))
+                         interpret=False if on_tpu() else interpret_params(detect_races=True))(
+        jnp.asarray(codes), jnp.asarray(scales))
     return np.asarray(out)
 
 
@@ -95,7 +96,11 @@ def every_code_every_scale_tile(tk=512, tn=256, seed=0):
 def test_in_kernel_dequant_bit_exact_against_ml_dtypes(unpack):
     """One expert tile holding every E2M1 code under every allowed E8M0 byte (2..252), unpacked by
     the kernel (integer shifts, every TPU; the fp4 bitcast, TPU v7), equals ml_dtypes'
-    float4_e2m1fn x float8_e8m0fnu in bf16 bit for bit (signed zeros included)."""
+    float4_e2m1fn x float8_e8m0fnu in bf16 bit for bit (signed zeros included). In interpret mode
+    on CPU; compiled on a TPU backend (`JAX_PLATFORMS=tpu,cpu pytest ...` on the chip)."""
+    from mk.kernel import attached_chip, on_tpu
+    if on_tpu() and unpack != make_plan(get_config("mini"), 1, chip=attached_chip(), experts="mxfp4").mxfp4_unpack:
+        pytest.skip(f"{unpack} unpack does not lower on {attached_chip()} (test_aot: fp4 bitcast is TPU v7's)")
     tk, tn = 512, 256
     m = plan_mod.Matrix("expert.down", tk, tn, (), tk, tn, "mxfp4")
     codes, scales, want = every_code_every_scale_tile(tk, tn)

@@ -17,7 +17,9 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import params as mkparams
 from mk import reference as ref
 from mk import speculative as spec
-from mk.check import CACHE_TOL, LOGIT_TOL, races_found
+from mk.check import races_found
+
+LOGIT_TOL = CACHE_TOL = 0.0     # the verify step equals the reference bit for bit on CPU
 from mk.config import get_config
 from mk.errors import UserError
 
