@@ -207,6 +207,13 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     fault: a deliberately broken kernel to show the check catches it ("moe_combine_sign": the routed
     experts' combine weights negated, `mk.kernel.moe`); never for real runs.
     On a TPU backend the run is `check_on_chip` (module docstring)."""
+    if fault is not None:
+        if fault != "moe_combine_sign":
+            raise UserError(f"fault must be 'moe_combine_sign', found {fault!r}")
+        args = {k: v for k, v in locals().items() if k not in ("cfg", "batch", "steps", "prefetch_depth", "fault")}
+        from mk.kernel.moe import negated_combine
+        with negated_combine():                  # every trace of the kernel in this run has the planted bug
+            return check(cfg, batch, steps, prefetch_depth, **args)
     from mk import params as params_mod
     from mk import reference
     from mk.kernel import interpret_params, make_step_fn, on_tpu
@@ -225,15 +232,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
                                                              mxfp4_unpack=mxfp4_unpack)}
     if prefetch_depth is not None:
         kw["prefetch_depth"] = prefetch_depth
-    if fault not in (None, "moe_combine_sign"):
-        raise UserError(f"fault must be 'moe_combine_sign', found {fault!r}")
-    if fault:
-        from mk.kernel.moe import negated_combine
-        with negated_combine():                  # traced (and compiled) with the planted bug
-            step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, mesh=mesh, **kw)
-            jax.block_until_ready(step_fn(None, reference.init_cache(cfg, batch, ctx), jnp.zeros((batch,), jnp.int32)))
-    else:
-        step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, mesh=mesh, **kw)
+    step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, mesh=mesh, **kw)
     plan = step_fn.plan
     params = dequantize_experts(params)          # the reference's weights: bf16 (the oracle)
     if on_tpu():

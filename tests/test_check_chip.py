@@ -1,9 +1,6 @@
 """`mk.check.check_on_chip`, the policy `mk check` applies on a TPU, exercised on CPU: the kernel
 (interpret mode) and XLA both against the oracle, resynchronised every step. Here all three are
 bit-exact, so a correct kernel passes with factor 0 and a planted bug fails."""
-import jax
-import numpy as np
-
 from mk import check as mc
 from mk import params as params_mod
 from mk.config import get_config
@@ -17,12 +14,8 @@ def _run(fault: bool):
     kw = dict(ctx=256, interpret=interpret_params(False), experts="bf16")
     if fault:
         with negated_combine():
-            step_fn = make_step_fn(params, cfg, 2, **kw)
-            from mk.reference import init_cache
-            jax.block_until_ready(step_fn(None, init_cache(cfg, 2, 256), np.zeros(2, np.int32)))
-    else:
-        step_fn = make_step_fn(params, cfg, 2, **kw)
-    return mc.check_on_chip(cfg, step_fn, params, 2, 3)
+            return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, 3)
+    return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, 3)
 
 
 def test_chip_policy_passes_a_correct_kernel_and_fails_a_planted_bug():
