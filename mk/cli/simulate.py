@@ -72,8 +72,8 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
     if ctx % 128:
         raise UserError(f"--context: must be a multiple of 128 (whole cache blocks), found {ctx}")
     for name in systems:
-        if name not in hardware.SYSTEMS:
-            raise UserError(f"--system: unknown system {name!r}; expected one of {list(hardware.SYSTEMS)}")
+        if name not in hardware.system_names():
+            raise UserError(f"--system: unknown system {name!r}; expected one of {list(hardware.system_names())}")
     paths = _trace_paths(trace, [(s, b, p) for s in systems for b in batches for p in plans]) if trace else {}
     out = []
     for name in systems:
