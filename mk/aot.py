@@ -24,12 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk.config import K3Config
-from mk.plan import Plan
+from mk.plan import HARDWARE_CHIP, Plan
 
 # Topology name prefix -> chip name used by mk.plan
 CHIP_OF_TOPOLOGY = {"v5e": "v5e", "v5p": "v5p", "v6e": "v6e", "tpu7x": "tpu7x", "v4": "v5p"}
-# mk.plan chip name -> data/hardware.csv chip name (HBM per core from there)
-HARDWARE_CHIP = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "tpu7x": "tpu-v7"}
 
 
 def chip_of(topology: str) -> str:

@@ -70,6 +70,8 @@ class PlanError(UserError, ValueError):
 
 # VMEM capacity per TensorCore (bytes) of the chips we compile for.
 VMEM_BYTES = {"v5e": 128 * MiB, "v5p": 96 * MiB, "v6e": 128 * MiB, "tpu7x": 64 * MiB, "cpu": 64 * MiB}
+# mk.plan chip name -> data/hardware.csv chip name
+HARDWARE_CHIP = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "tpu7x": "tpu-v7"}
 # Default scoped VMEM limit we ask Mosaic for: what the K3 kernel uses on TPU v7.
 DEFAULT_VMEM_LIMIT = 64 * MiB
 # VMEM that Mosaic uses beyond the kernel's buffers: values with no buffer of their own (the
