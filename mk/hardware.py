@@ -18,8 +18,9 @@ which is the validation set; the model runs with it locked, `published_locked`):
   K3 throughput table, `reference` for other published timings).
 
 `System` combines a chip, the microbenchmarks and a layout into the per-device `Constant`s the
-roofline and the simulator read (one TensorCore of the TPU v7 system, one GPU of the GB200 system),
-each with its source and range. Bad data raises `HardwareDataError` naming the file, the line, and
+roofline and the simulator read (one TensorCore of the TPU v7 system, one GPU of the GB200 system,
+the lent TPU v5e chip), each with its source, its range and its basis (measured, datasheet or
+assumption). Bad data raises `HardwareDataError` naming the file, the line, and
 the column.
 """
 from __future__ import annotations
