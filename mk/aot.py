@@ -14,6 +14,7 @@ the compiler fits the kernel into the VMEM the plan budgets (`probe_vmem`).
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import os
 import re
@@ -24,12 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk.config import K3Config
-from mk.plan import Plan
+from mk.plan import HARDWARE_CHIP, Plan
 
 # Topology name prefix -> chip name used by mk.plan
 CHIP_OF_TOPOLOGY = {"v5e": "v5e", "v5p": "v5p", "v6e": "v6e", "tpu7x": "tpu7x", "v4": "v5p"}
-# mk.plan chip name -> data/hardware.csv chip name (HBM per core from there)
-HARDWARE_CHIP = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "tpu7x": "tpu-v7"}
 
 
 def chip_of(topology: str) -> str:
@@ -53,6 +52,7 @@ class CompileResult:
     error: str | None = None
     memory: dict | None = None             # compiled.memory_analysis(), bytes per device
     pallas_calls: int | None = None        # Mosaic kernels (tpu_custom_call) in the lowered step
+    mosaic_ops: int | None = None          # MLIR ops of those kernels (`mosaic_ops`): the program's size
     argument_bytes: int | None = None      # per device, from the abstract inputs' shard shapes
     hbm_required_bytes: int | None = None  # the compiler's out-of-HBM message, when it refused
     hbm_available_bytes: int | None = None
@@ -189,32 +189,75 @@ def _first_error_line(e: Exception) -> str:
     return first[:20000]
 
 
+def mosaic_ops(lowered_text: str) -> int:
+    """MLIR ops of every Mosaic kernel in a lowered program's text (each `tpu_custom_call`'s body,
+    deserialized): the size of the kernel program, which neither the machine nor its load changes."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+    bodies = re.findall(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', lowered_text)
+    ctx = mlir.make_ir_context()
+    tpu.register_dialect(ctx)
+    n = 0
+    with ctx, ir.Location.unknown():
+        ctx.allow_unregistered_dialects = True
+        for body in bodies:
+            module = ir.Module.parse(base64.b64decode(body))
+            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+            ops = []
+            module.operation.walk(lambda op: ops.append(1) or ir.WalkResult.ADVANCE)
+            n += len(ops)
+    return n
+
+
+def _place(args, device):
+    """Abstract args with every unsharded one replicated on `device`."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    replicated = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    return jax.tree.map(lambda s: s if getattr(s, "sharding", None) is not None else _struct(s, replicated), args)
+
+
+def _lower(fn, args, device):
+    """fn lowered for TPU on abstract args placed by `_place`."""
+    fn = fn if hasattr(fn, "lower") else jax.jit(fn)
+    with jax.default_device(device):
+        return fn.lower(*_place(args, device))
+
+
+def lower(fn, args, topology: str = "tpu7x:2x2x1"):
+    """fn lowered (no compile) for the first device of `topology` on abstract args."""
+    return _lower(fn, args, _topology(topology).devices[0])
+
+
+def lower_kernel(plan: Plan, topology: str = "tpu7x:2x2x1"):
+    """The megakernel step of `plan` lowered (no compile) for `topology` (`compile_kernel`'s program)."""
+    mesh, device = _mesh(plan.layout, topology)
+    return _lower(_kernel_step(plan, mesh), kernel_abstract_inputs(plan, mesh), device)
+
+
 def _compile(fn, args, device) -> CompileResult:
     """Lower + compile fn on abstract args (ShapeDtypeStructs, sharded or not) for TPU."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    mesh = Mesh(np.array([device]), ("x",))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    args = jax.tree.map(lambda s: s if getattr(s, "sharding", None) is not None else _struct(s, replicated), args)
-    arg_bytes = per_device_bytes(args)
-    fn = fn if hasattr(fn, "lower") else jax.jit(fn)
+    arg_bytes = per_device_bytes(_place(args, device))
     t0 = time.perf_counter()
     try:
-        with jax.default_device(device):
-            lowered = fn.lower(*args)
+        lowered = _lower(fn, args, device)
     except Exception as e:
         t = time.perf_counter() - t0
         return CompileResult(False, 0.0, t, error=_first_error_line(e), argument_bytes=arg_bytes)
-    t1 = time.perf_counter()
-    calls = lowered.as_text().count("@tpu_custom_call")
+    lower_s = time.perf_counter() - t0
+    text = lowered.as_text()
+    calls, ops = text.count("@tpu_custom_call"), mosaic_ops(text)
+    t1 = time.perf_counter()                    # counting is neither lowering nor compiling
     try:
         with jax.default_device(device):
             compiled = lowered.compile()
     except Exception as e:  # the compiler's verdict is the result
         err = _first_error_line(e)
         need, have = _hbm_figures(str(e))
-        return CompileResult(False, time.perf_counter() - t1, t1 - t0, error=err, pallas_calls=calls,
-                             argument_bytes=arg_bytes, hbm_required_bytes=need, hbm_available_bytes=have,
-                             error_text=str(e))
+        return CompileResult(False, time.perf_counter() - t1, lower_s, error=err, pallas_calls=calls,
+                             mosaic_ops=ops, argument_bytes=arg_bytes, hbm_required_bytes=need,
+                             hbm_available_bytes=have, error_text=str(e))
     t2 = time.perf_counter()
     mem = None
     try:
@@ -224,7 +267,8 @@ def _compile(fn, args, device) -> CompileResult:
                                                "generated_code_size_in_bytes")}
     except Exception:
         pass
-    return CompileResult(True, t2 - t1, t1 - t0, memory=mem, pallas_calls=calls, argument_bytes=arg_bytes)
+    return CompileResult(True, t2 - t1, lower_s, memory=mem, pallas_calls=calls, mosaic_ops=ops,
+                         argument_bytes=arg_bytes)
 
 
 def _mesh(plan_layout, topology: str):

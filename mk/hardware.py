@@ -18,8 +18,9 @@ which is the validation set; the model runs with it locked, `published_locked`):
   K3 throughput table, `reference` for other published timings).
 
 `System` combines a chip, the microbenchmarks and a layout into the per-device `Constant`s the
-roofline and the simulator read (one TensorCore of the TPU v7 system, one GPU of the GB200 system),
-each with its source and range. Bad data raises `HardwareDataError` naming the file, the line, and
+roofline and the simulator read (one TensorCore of the TPU v7 system, one GPU of the GB200 system,
+the lent TPU v5e chip), each with its source, its range and its basis (measured, datasheet or
+assumption). Bad data raises `HardwareDataError` naming the file, the line, and
 the column.
 """
 from __future__ import annotations
@@ -359,10 +360,17 @@ class Constant:
     source: str
     low: float
     high: float
+    datasheet: bool = False          # from data/hardware.csv (a datasheet figure), not a timing
 
     @property
     def assumption(self) -> bool:
         return is_assumption(self.source)
+
+    @property
+    def basis(self) -> str:
+        """'assumption' (no measurement behind it), 'datasheet' (data/hardware.csv) or 'measured'
+        (a microbenchmark or a published timing; its source says where and when)."""
+        return "assumption" if self.assumption else "datasheet" if self.datasheet else "measured"
 
     @property
     def swept(self) -> bool:
@@ -370,7 +378,7 @@ class Constant:
 
     def summary(self) -> dict:
         return {"value": self.value, "unit": self.unit, "low": self.low, "high": self.high,
-                "source": self.source, "assumption": self.assumption}
+                "source": self.source, "assumption": self.assumption, "basis": self.basis}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +394,7 @@ class SystemLayout:
     use: bool
     source: str
     line: int
+    mk_plan: str = "tuned"           # 'tuned': mk's plan as the model finds fastest; 'defaults': as run
 
     @property
     def assumption(self) -> bool:
@@ -397,7 +406,15 @@ class SystemLayout:
                 f"({self.expert_gate_up}/{self.expert_down})")
 
 
+# How `mk simulate` builds mk's plan for a system (data/systems.csv column `mk_plan`, optional):
+# 'tuned': the fastest modelled of the choices the kernel runs and the deepest ring that fits VMEM
+# (a system with no chip to run on); 'defaults': the kernel's defaults (`mk.kernel.make_step_fn`:
+# prefetch depth 4, `mk.plan.default_tile`), the configuration timed on the chip.
+MK_PLANS = ("tuned", "defaults")
+
+
 def load_systems(path: str | os.PathLike | None = None) -> list[SystemLayout]:
+    """Rows of data/systems.csv (see `SystemLayout`); the `mk_plan` column may be absent ('tuned')."""
     from mk.plan import Layout, PlanError
 
     path = Path(path) if path else DATA_DIR / "systems.csv"
@@ -416,6 +433,10 @@ def load_systems(path: str | os.PathLike | None = None) -> list[SystemLayout]:
                                     f"found {r['program']!r}")
         if r["use"] not in ("0", "1"):
             raise HardwareDataError(f"{path}: line {line}: column 'use': expected 0 or 1, found {r['use']!r}")
+        mk_plan = r.get("mk_plan") or "tuned"
+        if mk_plan not in MK_PLANS:
+            raise HardwareDataError(f"{path}: line {line}: column 'mk_plan': expected one of {MK_PLANS}, "
+                                    f"found {mk_plan!r}")
         try:
             lay = Layout(**ints, style=r["style"], name=_require(path, line, "source", r["source"]))
         except PlanError as e:
@@ -424,7 +445,7 @@ def load_systems(path: str | os.PathLike | None = None) -> list[SystemLayout]:
                                 lay, r["program"], _require(path, line, "expert_gate_up", r["expert_gate_up"]),
                                 _require(path, line, "expert_down", r["expert_down"]),
                                 _require(path, line, "published_system", r["published_system"]), r["use"] == "1",
-                                r["source"], line))
+                                r["source"], line, mk_plan))
     for name in {s.system for s in out}:
         used = [s for s in out if s.system == name and s.use]
         if len(used) != 1:
@@ -518,7 +539,10 @@ class System:
                 "constants": {k: c.summary() for k, c in self.constants.items()}}
 
 
-SYSTEMS = ("tpu-v7x16", "gb200x16")
+def system_names(systems_csv=None) -> tuple[str, ...]:
+    """The systems data/systems.csv describes, in its order: the seed's two 16-chip systems
+    ('tpu-v7x16', 'gb200x16') and the lent TPU v5e chip ('tpu-v5e')."""
+    return tuple(dict.fromkeys(s.system for s in _tables(None, None, str(systems_csv) if systems_csv else None)[2]))
 
 
 def sibling_link_fit(mb: Microbench) -> tuple[float, float]:
@@ -564,7 +588,7 @@ def _measured(mb: Microbench, system: str, quantity: str, name: str, scale: floa
 
 def _datasheet(chip: Chip, quantity: str, name: str, value: float, unit: str, note: str = "") -> Constant:
     src = chip.source(quantity) + (f" {note}" if note else "")
-    return Constant(name, value, unit, src, value, value)
+    return Constant(name, value, unit, src, value, value, datasheet=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -573,11 +597,14 @@ def _tables(hw_path, mb_path, sys_path):
 
 
 def get_system(name: str, hardware_csv=None, microbench_csv=None, systems_csv=None) -> System:
-    """The seed's two 16-chip systems: 'tpu-v7x16' (32 TensorCores) and 'gb200x16' (16 GPUs)."""
+    """A system of data/systems.csv (`system_names`): the seed's 'tpu-v7x16' (32 TensorCores) and
+    'gb200x16' (16 GPUs), the lent 'tpu-v5e' (one chip, one TensorCore). A TPU's constants come from
+    its chip's rows of data/microbench.csv (system = the chip's name in data/hardware.csv), the DMA
+    rate from the datasheet where the chip has no measured one; `Constant.basis` says which."""
     chips, mb, setups = _tables(*(str(p) if p else None for p in (hardware_csv, microbench_csv, systems_csv)))
     rows = [s for s in setups if s.system == name]
-    if name not in SYSTEMS or not rows:
-        raise HardwareDataError(f"unknown system {name!r}: expected one of {list(SYSTEMS)}")
+    if not rows:
+        raise HardwareDataError(f"unknown system {name!r}: expected one of {list(dict.fromkeys(s.system for s in setups))}")
     setup = next(s for s in rows if s.use)
     c = chips[setup.chip]
     K = {}
@@ -586,35 +613,41 @@ def get_system(name: str, hardware_csv=None, microbench_csv=None, systems_csv=No
         K[x.name] = x
 
     if c.kind == "tpu":
-        cores = c.cores_per_chip
+        cores, chip = c.cores_per_chip, c.name
+        devices = setup.layout.devices
         put(_datasheet(c, "hbm_bw", "hbm_bw", c.per_core("hbm_bw"), "bytes/s", "/ cores_per_chip"))
-        put(_measured(mb, "tpu-v7", "dma_stream_bw", "dma_bw"))
-        put(_measured(mb, "tpu-v7", "dma_descriptor_latency", "dma_latency"))
+        if (chip, "dma_stream_bw") in mb.rows:
+            put(_measured(mb, chip, "dma_stream_bw", "dma_bw"))
+        else:
+            put(dataclasses.replace(K["hbm_bw"], name="dma_bw"))
+        put(_measured(mb, chip, "dma_descriptor_latency", "dma_latency"))
         for dt in ("bf16", "fp8"):
-            put(_datasheet(c, f"{dt}_flops", f"flops.{dt}", c.flops(dt) / cores, "flop/s", "/ cores_per_chip"))
-        put(_measured(mb, "tpu-v7", "mxu_min_rows", "mxu_min_rows"))
-        put(_measured(mb, "tpu-v7", "mxu_push_rows", "mxu_push_rows"))
-        put(_measured(mb, "tpu-v7", "vector_flops", "vector_flops"))
-        put(_measured(mb, "tpu-v7", "vector_bw", "vector_bw"))
-        t0, bw = allreduce_phase_fit(mb, "8x8192")
-        t0_lo, bw_lo = allreduce_phase_fit(mb, "64x4096")
-        fit = "fit of spec 6.3 / App. B.4's [8, 8192] bf16 and f32 all-reduces on 8 cores (2 phases each)"
-        put(Constant("ici.latency", t0, "s", f"{fit}: fixed part of one phase; range: the [64, 4096] pair's fit .. "
-                     f"{mb.measurement('tpu-v7', 'collective_phase_latency_min').source}",
-                     t0_lo, mb.get("tpu-v7", "collective_phase_latency_min")))
-        put(Constant("ici.bw", bw, "bytes/s", f"{fit}: payload bandwidth per core; range: the [64, 4096] pair's fit .. "
-                     f"{mb.measurement('tpu-v7', 'cross_chip_3link_bw').source}",
-                     bw_lo, mb.get("tpu-v7", "cross_chip_3link_bw")))
-        s0, sbw = sibling_link_fit(mb)
-        sib = "line through spec 6.3 / App. B.4's sibling-core copies (101 GB/s at 256 KiB, 610 GB/s at 16 MiB)"
-        put(Constant("sibling.latency", sibling_phase_latency(mb), "s",
-                     f"spec App. B.4's chip-hierarchical [8, 8192] all-reduce (9.3 us) less its two cross-chip phases "
-                     f"(the flat fit): two sibling phases; range: .. the intercept of the {sib}",
-                     sibling_phase_latency(mb), s0))
-        put(Constant("sibling.bw", sbw, "bytes/s", f"{sib}: slope", sbw, sbw))
-        put(_measured(mb, "tpu-v7", "step_fixed_overhead", "step_overhead"))
-        put(_measured(mb, "tpu-v7", "routing_per_layer", "routing"))
-        return System(name, c, 16, cores, setup, tuple(s for s in rows if not s.use), K)
+            if c.get(f"{dt}_flops"):                 # no fp8 MXU (v5e): no fp8 rate
+                put(_datasheet(c, f"{dt}_flops", f"flops.{dt}", c.flops(dt) / cores, "flop/s", "/ cores_per_chip"))
+        put(_measured(mb, chip, "mxu_min_rows", "mxu_min_rows"))
+        put(_measured(mb, chip, "mxu_push_rows", "mxu_push_rows"))
+        put(_measured(mb, chip, "vector_flops", "vector_flops"))
+        put(_measured(mb, chip, "vector_bw", "vector_bw"))
+        if devices > 1:                              # the links: spec App. B.4's TPU v7 collectives
+            t0, bw = allreduce_phase_fit(mb, "8x8192")
+            t0_lo, bw_lo = allreduce_phase_fit(mb, "64x4096")
+            fit = "fit of spec 6.3 / App. B.4's [8, 8192] bf16 and f32 all-reduces on 8 cores (2 phases each)"
+            put(Constant("ici.latency", t0, "s", f"{fit}: fixed part of one phase; range: the [64, 4096] pair's fit .. "
+                         f"{mb.measurement('tpu-v7', 'collective_phase_latency_min').source}",
+                         t0_lo, mb.get("tpu-v7", "collective_phase_latency_min")))
+            put(Constant("ici.bw", bw, "bytes/s", f"{fit}: payload bandwidth per core; range: the [64, 4096] pair's "
+                         f"fit .. {mb.measurement('tpu-v7', 'cross_chip_3link_bw').source}",
+                         bw_lo, mb.get("tpu-v7", "cross_chip_3link_bw")))
+            s0, sbw = sibling_link_fit(mb)
+            sib = "line through spec 6.3 / App. B.4's sibling-core copies (101 GB/s at 256 KiB, 610 GB/s at 16 MiB)"
+            put(Constant("sibling.latency", sibling_phase_latency(mb), "s",
+                         f"spec App. B.4's chip-hierarchical [8, 8192] all-reduce (9.3 us) less its two cross-chip "
+                         f"phases (the flat fit): two sibling phases; range: .. the intercept of the {sib}",
+                         sibling_phase_latency(mb), s0))
+            put(Constant("sibling.bw", sbw, "bytes/s", f"{sib}: slope", sbw, sbw))
+        put(_measured(mb, chip, "step_fixed_overhead", "step_overhead"))
+        put(_measured(mb, chip, "routing_per_layer", "routing"))
+        return System(name, c, setup.layout.chips, cores, setup, tuple(s for s in rows if not s.use), K)
     frac = mb.measurement("gpu", "hbm_stream_fraction")
     link = mb.measurement("gpu", "nvlink_app_fraction")
     put(_datasheet(c, "hbm_bw", "hbm_bw", c.hbm_bw, "bytes/s"))
@@ -633,4 +666,4 @@ def get_system(name: str, hardware_csv=None, microbench_csv=None, systems_csv=No
                  c.link_bw * link.low, c.link_bw * link.high))
     put(_measured(mb, "gpu", "launch_gap", "launch_gap"))
     put(_measured(mb, "gpu", "step_overhead", "step_overhead"))
-    return System(name, c, 16, 1, setup, tuple(s for s in rows if not s.use), K)
+    return System(name, c, setup.layout.chips, 1, setup, tuple(s for s in rows if not s.use), K)

@@ -4,7 +4,8 @@
 (`mxu_push_rows`), the DMA descriptor latency, and the vector unit's two rates. The validation of
 the seed's schedule at B = 1 hangs on the first (`mk simulate --sensitivity`: 0.79 .. 1.08 of the
 published figure across its range). Each is one small Pallas kernel here. On a TPU, `mk microbench`
-times them and writes a copy of `microbench.csv` with the measured rows; `mk simulate --microbench
+times them and writes a copy of `microbench.csv` with the rows of the chip it ran on (`DEVICE_KINDS`:
+"TPU v5 lite" -> tpu-v5e) added or replaced, every other chip's kept; `mk simulate --microbench
 FILE` then models with it. On CPU the kernels run in interpret mode, for correctness only: CPU
 interpret mode is never a speed claim, so nothing is timed there.
 
@@ -273,16 +274,19 @@ def line_fit(sizes, seconds) -> tuple[float, float]:
 
 
 def measure(trials: int = 5, progress=None) -> dict:
-    """Time every kernel on this TPU; returns the curves and the four constants."""
+    """Time every kernel on this TPU; returns the curves and the constants (`out["constants"]`, the
+    data/microbench.csv rows of `out["chip"]`, the chip `jax.devices()[0]` is)."""
     if jax.default_backend() != "tpu":
         raise MicrobenchError(f"mk microbench times kernels on a TPU; this backend is {jax.default_backend()!r} "
                               f"(CPU interpret mode is for correctness, never a speed claim: use --check)")
-    from mk.hardware import get_system
-    peak = get_system("tpu-v7x16").peak_flops("bf16")
+    from mk.hardware import load_chips
     dev = jax.devices()[0]
+    chip = chip_of_device_kind(dev.device_kind)
+    peak = load_chips()[chip].per_core("bf16_flops")          # the measured chip's, per TensorCore
     rng = np.random.default_rng(0)
     step = progress or (lambda what: None)
-    out = {"device_kind": dev.device_kind, "peak_bf16_flops": peak, "mxu": {}, "dma": {}, "vector": {}}
+    out = {"device_kind": dev.device_kind, "chip": chip, "peak_bf16_flops": peak, "mxu": {}, "dma": {},
+           "vector": {}}
     for name, make, args in cases(small=False):
         if not name.startswith("mxu"):
             continue
@@ -314,45 +318,83 @@ def measure(trials: int = 5, progress=None) -> dict:
         "dma_stream_bw": max(v["stream_bw"] for v in out["dma"].values()),
         "vector_flops": 2 * FMAS * VEC_ROWS * VEC_COLS / t_fma,
         "vector_bw": 2 * BW_ROWS * VEC_COLS * 4 / t_pass,
+        "mxu_bf16xfp8_vs_bf16": out["mxu_dtypes"]["bf16xfp8"]["vs_bf16"],
     }
     return out
 
 
-def write_microbench_csv(constants: dict, path, source: str, base=None) -> Path:
-    """A copy of data/microbench.csv (or `base`) with the tpu-v7 rows of `constants` replaced by the
-    measured values (source: `source`; each row's sweep range widened to contain the value)."""
+# jax `device_kind` -> the chip's name in data/ (hardware.csv `chip`, microbench.csv `system`), for
+# every kind jax knows (jax/_src/pallas/mosaic/tpu_info.py) that data/hardware.csv describes.
+DEVICE_KINDS = {"TPU v5 lite": "tpu-v5e", "TPU v5e": "tpu-v5e", "TPU v5": "tpu-v5p", "TPU v5p": "tpu-v5p",
+                "TPU v6 lite": "tpu-v6e", "TPU v6e": "tpu-v6e", "TPU7x": "tpu-v7"}
+# Unit and how it is measured of each constant `measure` returns (the `unit` and `note` of a new row).
+CONSTANTS = {
+    "mxu_push_rows": ("count", f"[16, {MXU_K}] @ [{MXU_K}, {MXU_N}] bf16 from VMEM: time x the chip's bf16 peak / "
+                               f"(2 K N)"),
+    "dma_descriptor_latency": ("s", "intercept of the least-squares line through HBM -> VMEM copies of "
+                                    "64 KiB .. 4 MiB, one at a time"),
+    "dma_stream_bw": ("bytes/s", f"HBM -> VMEM copies of 64 KiB .. 4 MiB, {DMA_INFLIGHT} in flight: the fastest"),
+    "vector_flops": ("flop/s", f"{FMAS} dependent f32 multiply-adds per element of a [{VEC_ROWS}, {VEC_COLS}] "
+                               f"block, 2 flops each"),
+    "vector_bw": ("bytes/s", f"load-multiply-store passes over a [{BW_ROWS}, {VEC_COLS}] f32 VMEM block"),
+    "mxu_bf16xfp8_vs_bf16": ("ratio", f"context: a [{DTYPE_ROWS}, K] bf16 x [K, N] float8_e4m3fn matmul's time "
+                                      f"over the bf16 one's (the fp8 MXFP4 path's weight push)"),
+}
+
+
+def chip_of_device_kind(kind: str) -> str:
+    """The data/ chip name of a jax device kind ("TPU v5 lite" -> "tpu-v5e"); refuses others."""
+    if kind not in DEVICE_KINDS:
+        raise MicrobenchError(f"device kind {kind!r}: no chip of data/hardware.csv; mk microbench knows "
+                              f"{sorted(DEVICE_KINDS)}")
+    return DEVICE_KINDS[kind]
+
+
+def write_microbench_csv(constants: dict, path, source: str, chip: str, base=None) -> Path:
+    """A copy of data/microbench.csv (or `base`) with `chip`'s rows of `constants` set to the
+    measured values (source: `source`): an existing row keeps its unit and its sweep range, widened to
+    contain the value (note: what it was); a constant the chip has no row for is added after the
+    chip's last row (or at the end), unit and note from `CONSTANTS`, no range. Other chips' rows
+    are copied as they are."""
     from mk.hardware import DATA_DIR
+    unknown = sorted(set(constants) - set(CONSTANTS))
+    if unknown:
+        raise MicrobenchError(f"constants: unknown quantity {unknown}; expected some of {sorted(CONSTANTS)}")
     base = Path(base) if base else DATA_DIR / "microbench.csv"
     lines = base.read_text().splitlines(keepends=True)
-    seen, out = set(), []
+
+    def row(*fields) -> str:
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerow(fields)
+        return buf.getvalue()
+
+    seen, out, last = set(), [], None
     for line in lines:
         if line.startswith("#") or not line.strip():
             out.append(line)
             continue
-        row = next(csv.reader([line]))
-        if row[0] == "tpu-v7" and row[1] in constants:
-            v = float(constants[row[1]])
-            lo, hi = row[4], row[5]
+        r = next(csv.reader([line]))
+        if r[0] == chip and r[1] in constants:
+            v = float(constants[r[1]])
+            lo, hi = r[4], r[5]
             if lo and hi:
                 lo, hi = f"{min(float(lo), v):.6g}", f"{max(float(hi), v):.6g}"
-            buf = io.StringIO()
-            csv.writer(buf, lineterminator="\n").writerow(
-                [row[0], row[1], f"{v:.6g}", row[3], lo, hi, source, f"was: {row[2]} ({row[6]})"])
-            out.append(buf.getvalue())
-            seen.add(row[1])
-        else:
-            out.append(line)
-    missing = set(constants) - seen
-    if missing:
-        raise MicrobenchError(f"{base}: no tpu-v7 row for {sorted(missing)}")
+            line = row(r[0], r[1], f"{v:.6g}", r[3], lo, hi, source, f"was: {r[2]} ({r[6]})")
+            seen.add(r[1])
+        out.append(line if line.endswith("\n") else line + "\n")
+        if r[0] == chip:
+            last = len(out)
+    new = [row(chip, q, f"{float(v):.6g}", CONSTANTS[q][0], "", "", source, CONSTANTS[q][1])
+           for q, v in constants.items() if q not in seen]
+    at = len(out) if last is None else last
+    out[at:at] = new
     path = Path(path)
     path.write_text("".join(out))
     return path
 
 
-def source_label(device_kind: str) -> str:
-    return f"measured: mk microbench on {device_kind}, {datetime.date.today().isoformat()}"
-
+def source_label(device_kind: str, when: str | None = None) -> str:
+    return f"measured: mk microbench on {device_kind}, {when or datetime.date.today().isoformat()}"
 
 
 def compile_all(topology: str = "tpu7x:2x2x1") -> list[dict]:

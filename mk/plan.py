@@ -88,6 +88,10 @@ def chip_of_device(device) -> str:
     if kind not in CHIP_OF_DEVICE_KIND:
         raise PlanError(f"device kind {kind!r} is not a chip mk plans for: expected one of {sorted(CHIP_OF_DEVICE_KIND)}")
     return CHIP_OF_DEVICE_KIND[kind]
+
+
+# mk.plan chip name -> data/hardware.csv chip name
+HARDWARE_CHIP = {"v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "tpu7x": "tpu-v7"}
 # Default scoped VMEM limit we ask Mosaic for: what the K3 kernel uses on TPU v7.
 DEFAULT_VMEM_LIMIT = 64 * MiB
 # VMEM that Mosaic uses beyond the kernel's buffers: values with no buffer of their own (the

@@ -34,6 +34,19 @@ from mk.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError, Weight
 #   'fp8':  the seed (spec 3.5): a bitcast and one fp4 -> fp8 conversion per weight, the E8M0 group
 #           scales applied to [B, T/32, N] partial products (per group, not per weight): 1.
 DEQUANT_OPS = {"bf16": 4, "fp8": 1}
+# The 'bf16' path on chips whose Mosaic has no E2M1 vector type (`plan.chip`; v5e: "Unsupported type
+# 'vector<8x128x8xf4E2M1FN>'", tpu-notes.md): the codes' bits shifted and masked into bf16 bit
+# patterns with integer VPU ops, then the scale multiply. An estimate, 6-8 ops per weight, of the
+# kernel change in progress: set it to the count of the kernel that runs.
+INTEGER_DEQUANT_OPS = 7
+INTEGER_DEQUANT_CHIPS = ("v5e",)
+
+
+def dequant_ops(mxfp4_matmul: str, chip: str) -> int:
+    """Vector ops per weight of an MXFP4 tile's in-VMEM conversion on `chip` (mk.plan chip name)."""
+    if mxfp4_matmul == "bf16" and chip in INTEGER_DEQUANT_CHIPS:
+        return INTEGER_DEQUANT_OPS
+    return DEQUANT_OPS[mxfp4_matmul]
 
 
 def _mix_flops(cfg, rows: int, n_blocks: int) -> int:
@@ -169,7 +182,7 @@ def schedule(plan, distinct_experts: list[float]):
         if m.format == "fp8":
             dtype = "fp8"
         elif m.format == "mxfp4":
-            dtype, ops = o.mxfp4_matmul, DEQUANT_OPS[o.mxfp4_matmul]
+            dtype, ops = o.mxfp4_matmul, dequant_ops(o.mxfp4_matmul, plan.chip)
         return b.phase(l, tensor, "mxu", consumes=(l, tensor), rows=max(1, round(rows)), dtype=dtype,
                        flops=int(2 * rows * m.k_pad * m.n_pad * scale), vector_ops=int(ops * m.k * m.n * scale), **kw)
 

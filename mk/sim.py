@@ -45,6 +45,7 @@ from mk.config import K3Config
 from mk.errors import UserError
 from mk import hardware as hwlib
 from mk import plan as planlib
+from mk import schedule
 from mk.plan import CONVENTIONAL, MK, SEED, Plan, ScheduleOptions, make_plan
 
 
@@ -621,15 +622,29 @@ def seed_plan(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFA
     return make_plan(cfg, batch, layout=setup.layout.fit(cfg), options=opts, check=False, ctx=context)
 
 
+def has_fp8_mxu(system) -> bool:
+    """Whether the system's chip has an fp8 MXU rate (data/hardware.csv `fp8_flops` > 0; v5e: 0)."""
+    return bool(_system(system).chip.get("fp8_flops"))
+
+
 def mk_plan(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT, *,
             options: ScheduleOptions = MK, prefetch_depth: int | None = None, tile=None,
             experts: str = "mxfp4") -> Plan:
     """mk's plan for `system`: the kernel's mesh rule over all its devices (`default_layout`), MXFP4
-    experts, and (prefetch_depth None) the deepest ring that fits the chip's VMEM."""
+    experts, its chip (`Plan.chip`; the VMEM limit: the kernel's 64 MiB or the chip's VMEM,
+    data/hardware.csv, whichever is less), and (prefetch_depth None) the deepest ring that fits it."""
     from mk.sharding import default_layout
     s = _system(system)
-    lay = default_layout(cfg, s.devices)
-    kw = dict(layout=lay, ctx=context, experts=experts, options=options, tile=tile)
+    if experts == "mxfp4" and options.mxfp4_matmul == "fp8" and not has_fp8_mxu(s):
+        raise SimError(f"mxfp4_matmul 'fp8': {s.name}'s chip {s.chip.name} has no fp8 MXU (data/hardware.csv "
+                       f"fp8_flops = 0); its kernel runs MXFP4 experts on the 'bf16' path")
+    chip = {v: k for k, v in planlib.HARDWARE_CHIP.items()}.get(s.chip.name)
+    if chip is None:
+        raise SimError(f"system {s.name}: chip {s.chip.name!r} is no TPU mk's kernel compiles for "
+                       f"(expected one of {sorted(planlib.HARDWARE_CHIP.values())})")
+    vmem = min(planlib.DEFAULT_VMEM_LIMIT, int(s.chip.per_core("onchip_bytes")))
+    kw = dict(layout=default_layout(cfg, s.devices), ctx=context, experts=experts, options=options, tile=tile,
+              chip=chip, vmem_limit=vmem)
     if prefetch_depth is None:
         prefetch_depth = _deepest_ring(cfg, batch, kw)
     return make_plan(cfg, batch, prefetch_depth=prefetch_depth, check=False, **kw)
@@ -654,31 +669,52 @@ def _deepest_ring(cfg: K3Config, batch: int, kw: dict, most: int = 512) -> int:
     return d
 
 
-def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT) -> tuple[Plan, dict]:
-    """`mk_plan` with MXFP4 experts, or with bf16 expert tiles where `make_plan` refuses MXFP4 for the
-    layout (then `info["note"]` says why), and with the kernel's free choices (`MK_CHOICES`: the
-    all-reduce rounds, how MXFP4 tiles meet the MXU; `MK_TILES`; the kernel runs every combination)
-    that the model finds fastest for this batch; `info` describes the plan."""
-    note, experts = "", "mxfp4"
-    try:
-        mk_plan(cfg, batch, system, context)
-    except planlib.PlanError as e:
-        if "MXFP4" not in str(e):
-            raise
-        experts = "bf16"
-        note = f"MXFP4 experts refused for this layout ({e}); modelled with bf16 expert tiles"
+def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT, *,
+                experts: str | None = None, mxfp4_matmul: str | None = None) -> tuple[Plan, dict]:
+    """mk's plan for `system` and `info` describing it. experts None: MXFP4, or bf16 expert tiles where
+    `make_plan` refuses MXFP4 for the layout (`info["note"]` says why). The system's `mk_plan`
+    (data/systems.csv) says how the rest is chosen: 'defaults', the kernel's own (`make_step_fn`:
+    `DEFAULT_PREFETCH_DEPTH`, `default_tile`, MK's options; the bf16 MXFP4 path), as timed on the chip;
+    'tuned', the kernel's free choices (`MK_CHOICES`: all-reduce rounds, MXFP4 MXU path, fp8 only
+    where the chip has an fp8 MXU; `MK_TILES`; the kernel runs every combination) that the model
+    finds fastest for this batch, and the deepest ring that fits VMEM. mxfp4_matmul: fixes that choice."""
     s = _system(system)
+    note = ""
+    if experts is None:
+        experts = "mxfp4"
+        try:
+            mk_plan(cfg, batch, s, context, prefetch_depth=planlib.DEFAULT_PREFETCH_DEPTH)
+        except planlib.PlanError as e:
+            if "MXFP4" not in str(e):
+                raise
+            experts = "bf16"
+            note = f"MXFP4 experts refused for this layout ({e}); modelled with bf16 expert tiles"
+    elif experts not in planlib.FORMATS:
+        raise SimError(f"experts must be one of {planlib.FORMATS}, found {experts!r}")
     choices = {f: ScheduleOptions.CHOICES[f] for f in MK_CHOICES}
-    if experts != "mxfp4":
+    if experts != "mxfp4" or not has_fp8_mxu(s):
         choices["mxfp4_matmul"] = (MK.mxfp4_matmul,)
+    if mxfp4_matmul is not None:
+        if mxfp4_matmul not in ScheduleOptions.CHOICES["mxfp4_matmul"]:
+            raise SimError(f"mxfp4_matmul must be one of {ScheduleOptions.CHOICES['mxfp4_matmul']}, "
+                           f"found {mxfp4_matmul!r}")
+        choices["mxfp4_matmul"] = (mxfp4_matmul,)
     choices["tile"] = MK_TILES
+    depth = None
+    if s.setup.mk_plan == "defaults":
+        choices = {f: (getattr(MK, f),) for f in MK_CHOICES} | {"mxfp4_matmul": choices["mxfp4_matmul"][:1],
+                                                                  "tile": (planlib.default_tile(cfg),)}
+        depth = planlib.DEFAULT_PREFETCH_DEPTH
     step: dict[tuple, tuple] = {}
     key = lambda pick: tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in pick.items())
 
     def run(pick: dict) -> float:
         if key(pick) not in step:
             opts = dataclasses.replace(MK, **{f: v for f, v in pick.items() if f != "tile"})
-            p = mk_plan(cfg, batch, s, context, experts=experts, tile=pick["tile"], options=opts)
+            p = mk_plan(cfg, batch, s, context, experts=experts, tile=pick["tile"], options=opts,
+                        prefetch_depth=depth)
+            if depth is not None:
+                p.check_vmem()
             step[key(pick)] = (p, simulate(p, Machine.from_system(s),
                                            distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time)
         return step[key(pick)][1]
@@ -691,12 +727,15 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
     plan, _ = step[key(best)]
     info = {"options": plan.options.name, "experts": plan.experts, "prefetch_depth": plan.prefetch_depth,
             "tile": [plan.tile_k, plan.tile_n], "devices": plan.devices, "ep": plan.layout.ep,
-            "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel,
-            "all_reduce": plan.options.all_reduce, "mxfp4_matmul": plan.options.mxfp4_matmul,
+            "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel, "chip": plan.chip,
+            "mk_plan": s.setup.mk_plan, "all_reduce": plan.options.all_reduce,
+            "mxfp4_matmul": plan.options.mxfp4_matmul,
+            "dequant_ops_per_weight": schedule.dequant_ops(plan.options.mxfp4_matmul, plan.chip)
+            if plan.experts == "mxfp4" else 0,
             "choices_step_s": {"/".join(c): t for c, (_, t) in step.items()},
             "all_reduce_step_s": {a: min(t for c, (_, t) in step.items() if c[0] == a) for a in choices["all_reduce"]},
             "tile_step_s": {f"{tk}x{tn}": min(t for c, (_, t) in step.items() if c[-1] == f"{tk}x{tn}")
-                            for tk, tn in MK_TILES}}
+                            for tk, tn in choices["tile"]}}
     if note:
         info["note"] = note
     return plan, info
@@ -761,18 +800,33 @@ def bubbles(slow: SimResult, fast: SimResult) -> list[tuple[str, float]]:
     return sorted(((c, v) for c, v in d.items() if v > 1e-9), key=lambda kv: -kv[1])
 
 
+def seed_runs_on(system) -> bool:
+    """Whether the seed's schedule can be modelled on `system`: a GPU stack, or a TPU with the fp8
+    MXU its K3 kernel's experts need (`SEED`: fp8 gate/up, MXFP4 on the fp8 path)."""
+    s = _system(system)
+    return s.program != "megakernel" or has_fp8_mxu(s)
+
+
+def measured_setting(plan: Plan) -> str:
+    """data/published.csv `setting` of mk's kernel timed on a chip: 'mk <config> <experts>-experts'."""
+    return f"mk {plan.config_name()} {plan.experts}-experts"
+
+
 def predict(cfg: K3Config, batch: int, system: str = "tpu-v7x16", *, context: int = DEFAULT_CONTEXT,
-            straggler: bool = True, record: bool = False, plans: Sequence[str] = PLANS) -> dict:
-    """Modelled step of each plan in `plans`, then the published figure and the ratio for the seed's
-    schedule. The model runs with data/published.csv locked (`hardware.published_locked`)."""
+            straggler: bool = True, record: bool = False, plans: Sequence[str] = PLANS,
+            experts: str | None = None, mxfp4_matmul: str | None = None) -> dict:
+    """Modelled step of each plan in `plans` that `system` runs (mk's: a TPU; the seed's:
+    `seed_runs_on`), then the published figure and the ratio for the seed's schedule, and mk's
+    kernel's step measured on the chip where data/published.csv has it (`measured_setting`). The
+    model runs with data/published.csv locked (`hardware.published_locked`). experts, mxfp4_matmul:
+    `mk_plan_for`'s."""
     s = _system(system)
     res, info = {}, {}
-    if s.program != "megakernel":
-        plans = [p for p in plans if p != "mk"]          # mk's kernel is a TPU program
+    plans = [p for p in plans if (p != "mk" or s.program == "megakernel") and (p != "seed" or seed_runs_on(s))]
     with hwlib.published_locked():
         for p in plans:
             if p == "mk":
-                plan, info = mk_plan_for(cfg, batch, s, context)
+                plan, info = mk_plan_for(cfg, batch, s, context, experts=experts, mxfp4_matmul=mxfp4_matmul)
             else:
                 plan = p
             res[p] = model(cfg, batch, s, plan, context=context, straggler=straggler, record=record)
@@ -786,10 +840,16 @@ def predict(cfg: K3Config, batch: int, system: str = "tpu-v7x16", *, context: in
     if "seed" in res:
         out["predicted_tok_s"] = res["seed"].tokens_per_s
         out["ratio"] = res["seed"].tokens_per_s / pub if pub else None
+    if "mk" in res:
+        mk = res["mk"]
+        out["mk_hbm_floor_ratio"] = mk.step_time / mk.hbm_floor
+        measured = hwlib.published_value(s.published_system, measured_setting(mk.plan), batch, "step_time")
+        if measured:
+            out["mk_measured_step_s"] = measured
+            out["mk_modelled_over_measured"] = mk.step_time / measured
     if "seed" in res and "mk" in res:
         mk, sd = res["mk"], res["seed"]
         out["mk_speedup"] = sd.step_time / mk.step_time
-        out["mk_hbm_floor_ratio"] = mk.step_time / mk.hbm_floor
         out["mk_bubbles_s"] = bubbles(mk, sd) if mk.step_time > sd.step_time else []
     return out
 

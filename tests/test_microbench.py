@@ -1,6 +1,7 @@
 """`mk microbench`: the kernels that measure the simulator's assumed TPU constants compute what they
 time (interpret mode), compile for TPU v7 at their timed sizes, the fits invert the model's cost
 formulas, and a CSV they write is what `mk simulate --microbench` models with."""
+import csv
 import json
 
 import numpy as np
@@ -46,7 +47,7 @@ def test_fits_invert_the_model():
 
 def test_a_written_csv_is_what_simulate_models_with(tmp_path, capsys):
     measured = {"mxu_push_rows": 16, "dma_descriptor_latency": 0.4e-6, "vector_flops": 20e12, "vector_bw": 9e12}
-    path = mb.write_microbench_csv(measured, tmp_path / "mb.csv", mb.source_label("TPU7x (test)"))
+    path = mb.write_microbench_csv(measured, tmp_path / "mb.csv", mb.source_label("TPU7x (test)"), "tpu-v7")
     table = hw.load_microbench(path)
     assert table.get("tpu-v7", "mxu_push_rows") == 16
     assert table.measurement("tpu-v7", "mxu_push_rows").source.startswith("measured: mk microbench on TPU7x")
@@ -62,9 +63,61 @@ def test_a_written_csv_is_what_simulate_models_with(tmp_path, capsys):
     assert rep["rows"][0]["seed"]["step_time_s"] == pytest.approx(measured_step)
 
 
-def test_a_row_the_csv_lacks_is_an_error(tmp_path):
-    with pytest.raises(mb.MicrobenchError, match="no tpu-v7 row for \\['mxu_pull_rows'\\]"):
-        mb.write_microbench_csv({"mxu_pull_rows": 1}, tmp_path / "x.csv", "measured")
+def _data_rows(path):
+    return [ln for ln in open(path).read().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_writing_one_chip_keeps_every_other_chips_rows(tmp_path):
+    """A v5e measurement replaces tpu-v5e rows and adds the ones the chip lacks; every other row
+    (tpu-v7's included) is copied byte for byte; writing again replaces, never duplicates."""
+    base = hw.DATA_DIR / "microbench.csv"
+    v5e = {"mxu_push_rows": 50, "dma_descriptor_latency": 1e-6, "dma_stream_bw": 8e11, "vector_flops": 1.4e12,
+           "vector_bw": 5e12, "mxu_bf16xfp8_vs_bf16": 0.8}
+    a = mb.write_microbench_csv(v5e, tmp_path / "a.csv", mb.source_label("TPU v5 lite", "2027-01-01"), "tpu-v5e")
+    old, new = _data_rows(base), _data_rows(a)
+    assert [r for r in new if not r.startswith("tpu-v5e,")] == [r for r in old if not r.startswith("tpu-v5e,")]
+    t = hw.load_microbench(a)
+    for q, v in v5e.items():
+        m = t.measurement("tpu-v5e", q)
+        assert m.value == pytest.approx(v) and m.source == "measured: mk microbench on TPU v5 lite, 2027-01-01"
+    assert t.measurement("tpu-v5e", "vector_bw").note.startswith("was: 8e12 (assumption")   # replaced, not added
+    kept = [r for r in old if r.startswith(("tpu-v5e,step_fixed_overhead,", "tpu-v5e,routing_per_layer,"))]
+    assert len(kept) == 2 and set(kept) <= set(new)                     # the chip's unmeasured rows as they were
+    b = mb.write_microbench_csv({"mxu_push_rows": 60}, tmp_path / "b.csv", "measured: again", "tpu-v5e", base=a)
+    assert len(_data_rows(b)) == len(new) and hw.load_microbench(b).get("tpu-v5e", "mxu_push_rows") == 60
+    # a chip with no rows yet: its rows are appended, the file's other rows untouched
+    c = mb.write_microbench_csv({"mxu_push_rows": 70}, tmp_path / "c.csv", "measured: v6e", "tpu-v6e")
+    assert _data_rows(c)[:-1] == old and hw.load_microbench(c).measurement("tpu-v6e", "mxu_push_rows").unit == "count"
+    with pytest.raises(mb.MicrobenchError, match="unknown quantity \\['mxu_pull_rows'\\]"):
+        mb.write_microbench_csv({"mxu_pull_rows": 1}, tmp_path / "x.csv", "measured", "tpu-v5e")
+
+
+def test_device_kinds_map_to_chips_of_the_hardware_table():
+    chips = hw.load_chips()
+    assert mb.chip_of_device_kind("TPU v5 lite") == "tpu-v5e" and mb.chip_of_device_kind("TPU7x") == "tpu-v7"
+    assert set(mb.DEVICE_KINDS.values()) == {c for c in chips if c.startswith("tpu-")}
+    with pytest.raises(mb.MicrobenchError, match="device kind 'TPU v4': no chip of data/hardware.csv") as e:
+        mb.chip_of_device_kind("TPU v4")
+    assert "\n" not in str(e.value)
+
+
+def test_the_seeded_v5e_rows_are_what_the_write_path_writes(tmp_path):
+    """data/microbench.csv's measured tpu-v5e rows (tpu-notes.md's run) are byte for byte what
+    `write_microbench_csv` writes for those values and that source: the format a re-run produces."""
+    table = hw.load_microbench()
+    rows = [m for (chip, _), m in table.rows.items() if chip == "tpu-v5e" and m.source.startswith("measured")]
+    assert {m.quantity for m in rows} == {"dma_stream_bw", "dma_descriptor_latency", "mxu_push_rows", "vector_flops",
+                                         "mxu_bf16xfp8_vs_bf16"}
+    assert len({m.source for m in rows}) == 1 and "TPU v5 lite, 2026-12-04" in rows[0].source
+    base = _data_rows(hw.DATA_DIR / "microbench.csv")
+    stripped = tmp_path / "base.csv"
+    stripped.write_text("\n".join(r for r in open(hw.DATA_DIR / "microbench.csv").read().splitlines()
+                                  if not any(r.startswith(f"tpu-v5e,{m.quantity},") for m in rows)) + "\n")
+    out = mb.write_microbench_csv({m.quantity: m.value for m in rows}, tmp_path / "o.csv", rows[0].source,
+                                  "tpu-v5e", base=stripped)
+    cut = lambda r: next(csv.reader([r]))[:7] if r.startswith("tpu-v5e,mxu_push_rows,") else r   # its note says more
+    assert [cut(r) for r in _data_rows(out)] == [cut(r) for r in base]
+    assert table.get("tpu-v5e", "mxu_push_rows") == pytest.approx(280 * 197e12 / 1.155e15, abs=0.05)
 
 
 def test_timing_off_a_tpu_is_refused(capsys):
@@ -86,13 +139,33 @@ def test_measure_turns_timings_into_the_constants(monkeypatch, tmp_path):
         return 1e-6                                          # vector
 
     monkeypatch.setattr(mb.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(mb.jax, "devices", lambda: [type("D", (), {"device_kind": "TPU7x"})()])
     monkeypatch.setattr(mb, "per_repeat", fake_per_repeat)
     res = mb.measure(trials=1)
+    assert res["chip"] == "tpu-v7" and res["peak_bf16_flops"] == peak
     c = res["constants"]
     assert c["mxu_push_rows"] == pytest.approx(128)
     assert res["mxu"][512]["push_rows"] == pytest.approx(512)          # rows cost past the push
     assert res["mxu_dtypes"]["bf16xfp8"]["vs_bf16"] == pytest.approx(0.5)
     assert c["dma_descriptor_latency"] == pytest.approx(0.8e-6)
     assert c["vector_flops"] == pytest.approx(2 * mb.FMAS * mb.VEC_ROWS * mb.VEC_COLS / 1e-6)
-    path = mb.write_microbench_csv(c, tmp_path / "mb.csv", mb.source_label(res["device_kind"]))
+    assert c["mxu_bf16xfp8_vs_bf16"] == pytest.approx(0.5)
+    path = mb.write_microbench_csv(c, tmp_path / "mb.csv", mb.source_label(res["device_kind"]), res["chip"])
     assert hw.load_microbench(path).get("tpu-v7", "mxu_push_rows") == pytest.approx(128)
+
+
+def test_measure_on_a_v5e_uses_the_v5e_peak(monkeypatch):
+    """The same matmul time is fewer push rows at v5e's 197 TFLOP/s than at TPU v7's per-core peak
+    (the 2026-12-04 run's 280 was computed at the latter); an unknown chip is refused before timing."""
+    def fake_per_repeat(make, args, n1, n2, trials=5):
+        return 1e-6 if len(args) == 2 else (0.8e-6 + args[0].shape[1] * 512 / 8e11 if args[0].ndim == 3 else 1e-6)
+
+    monkeypatch.setattr(mb.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(mb, "per_repeat", fake_per_repeat)
+    monkeypatch.setattr(mb.jax, "devices", lambda: [type("D", (), {"device_kind": "TPU v5 lite"})()])
+    res = mb.measure(trials=1)
+    assert res["chip"] == "tpu-v5e" and res["peak_bf16_flops"] == 197e12
+    assert res["constants"]["mxu_push_rows"] == pytest.approx(1e-6 * 197e12 / (2 * mb.MXU_K * mb.MXU_N))
+    monkeypatch.setattr(mb.jax, "devices", lambda: [type("D", (), {"device_kind": "TPU v3"})()])
+    with pytest.raises(mb.MicrobenchError, match="device kind 'TPU v3'"):
+        mb.measure(trials=1)

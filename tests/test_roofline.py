@@ -272,7 +272,7 @@ def test_fit_layout_shrinks_the_seed_layout_to_a_small_model():
 def test_microbench_ranges_and_systems_table(tmp_path):
     """Every constant a system reads has a source and a range around its value; assumptions say so;
     bad range or layout rows name the file, the line and the column."""
-    for name in hw.SYSTEMS:
+    for name in hw.system_names():
         s = hw.get_system(name)
         for k, c in s.constants.items():
             assert c.source and c.low <= c.value <= c.high, (name, k)

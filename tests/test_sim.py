@@ -330,14 +330,21 @@ def test_mk_plan_prediction_and_its_bubbles(mk_b1):
     assert set(r["mk_plan"]["tile_step_s"]) == {"512x512", "512x256"}
 
 
-@pytest.mark.xfail(strict=True, reason="mk's plan on tpu-v7x16 at B = 1 is modelled at 4.75 ms (512 x 256 tiles, "
-                                        "MXFP4 experts on the fp8 MXU path), 1.07x the seed's schedule and 1.8x its "
-                                        "HBM floor: the MXU at the assumed 256-row weight push (2.6 ms) and 6 "
-                                        "latency-bound collective phases per layer (1.55 ms) do not overlap")
-def test_mk_plan_target_at_batch_1(mk_b1):
-    assert mk_b1["mk_speedup"] >= 1.25
-    assert mk_b1["mk"]["step_time_s"] <= 3.2e-3
-    assert mk_b1["mk_hbm_floor_ratio"] <= 1.5
+# Modelled step of mk's plan on tpu-v7x16 (pinned as the seed's schedule's are: a change to the model or
+# to the plan shows here first). README: 4.75 / 5.50 / 7.03 / 9.92 ms; the goal (25% faster than the
+# seed's schedule, 3.2 ms at B = 1) is not reached: the MXU at the assumed 256-row weight push and
+# 6 latency-bound collective phases per layer do not overlap.
+MK_PINNED_MS = {1: 4.75, 2: 5.50, 4: 7.03, 8: 9.92}
+
+
+@pytest.fixture(scope="module")
+def mk_steps(mk_b1):
+    return {b: mk_b1 if b == 1 else sim.predict(K3, b, "tpu-v7x16", plans=("mk",)) for b in MK_PINNED_MS}
+
+
+@pytest.mark.parametrize("batch", sorted(MK_PINNED_MS))
+def test_pinned_mk_plan_step_times(mk_steps, batch):
+    assert mk_steps[batch]["mk"]["step_time_s"] / MS == pytest.approx(MK_PINNED_MS[batch], rel=0.005)
 
 
 def test_mk_whatifs_are_modelled_from_the_kernels_plan():
@@ -424,3 +431,92 @@ def test_cli_table_sensitivity_and_errors(capsys):
     assert main(["simulate", "--batch", "16"]) == 2
     assert main(["simulate", "--context", "500"]) == 2
     assert "multiple of 128" in capsys.readouterr().err
+
+
+# ---- the lent TPU v5e: one chip, constants measured on it, mk's kernel as it runs there ------------
+K3_CHIP = get_config("k3-chip")
+# Modelled step (ms) of mk's kernel on tpu-v5e, k3-chip (pinned). Measured on the chip (bf16 experts,
+# data/published.csv): 7.61 ms at B = 1, 8.12 ms at B = 8; the model reads neither.
+V5E_PINNED_MS = {("bf16", 1): 6.03, ("bf16", 8): 7.39, ("mxfp4", 1): 7.64, ("mxfp4", 8): 10.71}
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    return {(e, b): sim.predict(K3_CHIP, b, "tpu-v5e", experts=e) for e, b in V5E_PINNED_MS}
+
+
+def test_v5e_system_reads_the_chips_measured_rows_and_its_datasheet(tmp_path):
+    s = hw.get_system("tpu-v5e")
+    mb = hw.load_microbench()
+    assert (s.devices, s.chip.name, s.setup.mk_plan) == (1, "tpu-v5e", "defaults")
+    for name, q in (("dma_bw", "dma_stream_bw"), ("dma_latency", "dma_descriptor_latency"),
+                    ("mxu_push_rows", "mxu_push_rows"), ("vector_flops", "vector_flops")):
+        c = s.constants[name]
+        assert c.basis == "measured" and c.value == mb.get("tpu-v5e", q) and "TPU v5 lite" in c.source, name
+    assert s.constants["hbm_bw"].basis == "datasheet" and s.hbm_bw == 819e9
+    assert s.constants["flops.bf16"].value == 197e12 and "flops.fp8" not in s.constants      # no fp8 MXU
+    assert {"vector_bw", "step_overhead"} <= set(s.assumptions())
+    assert not any(k.startswith(("ici.", "sibling.")) for k in s.constants)                # one device, no links
+    # without a measured DMA rate the datasheet's is used, and labelled so
+    text = (hw.DATA_DIR / "microbench.csv").read_text().splitlines(keepends=True)
+    (tmp_path / "mb.csv").write_text("".join(ln for ln in text if not ln.startswith("tpu-v5e,dma_stream_bw,")))
+    dma = hw.get_system("tpu-v5e", microbench_csv=tmp_path / "mb.csv").constants["dma_bw"]
+    assert dma.basis == "datasheet" and dma.value == 819e9 and "819 GBps" in dma.source
+
+
+def test_v5e_plan_is_the_kernels_default_plan(v5e):
+    from mk.plan import DEFAULT_PREFETCH_DEPTH, default_tile
+    from mk.schedule import INTEGER_DEQUANT_OPS
+    for (e, b), r in v5e.items():
+        info, plan = r["mk_plan"], r["_results"]["mk"].plan
+        assert "seed" not in r and info["mk_plan"] == "defaults" and plan.chip == "v5e"
+        assert (plan.tile_k, plan.tile_n) == default_tile(K3_CHIP) and plan.prefetch_depth == DEFAULT_PREFETCH_DEPTH
+        assert plan.vmem_planned_bytes <= plan.vmem_limit == 64 * 2 ** 20 and plan.experts == e
+        assert plan.options.mxfp4_matmul == "bf16" and plan.options.kernel and plan.devices == 1
+        assert info["dequant_ops_per_weight"] == (INTEGER_DEQUANT_OPS if e == "mxfp4" else 0)
+        assert ("dequant" in r["mk"]["breakdown_s"]) == (e == "mxfp4")
+
+
+@pytest.mark.parametrize("key", sorted(V5E_PINNED_MS))
+def test_pinned_v5e_step_times_and_the_measured_ones(v5e, key):
+    r = v5e[key]
+    assert r["mk"]["step_time_s"] / MS == pytest.approx(V5E_PINNED_MS[key], rel=0.005)
+    measured = {("bf16", 1): 7.61e-3, ("bf16", 8): 8.12e-3}.get(key)
+    assert r.get("mk_measured_step_s") == measured
+    if measured:
+        assert r["mk_modelled_over_measured"] == pytest.approx(r["mk"]["step_time_s"] / measured)
+
+
+def test_v5e_dequantization_cost_follows_the_named_op_count(monkeypatch, v5e):
+    """MXFP4 dequantization on v5e is costed at `INTEGER_DEQUANT_OPS` vector ops per weight at the
+    measured vector rate: changing the constant changes the modelled dequantization in proportion."""
+    from mk import schedule
+    base = v5e["mxfp4", 1]["mk"]["breakdown_s"]["dequant"]
+    monkeypatch.setattr(schedule, "INTEGER_DEQUANT_OPS", 2 * schedule.INTEGER_DEQUANT_OPS)
+    r = sim.predict(K3_CHIP, 1, "tpu-v5e", experts="mxfp4")
+    assert r["mk"]["breakdown_s"]["dequant"] == pytest.approx(2 * base, rel=1e-6)
+    # on TPU v7 (E2M1 converts in one op) the bf16 path keeps DEQUANT_OPS['bf16']
+    assert schedule.dequant_ops("bf16", "tpu7x") == schedule.DEQUANT_OPS["bf16"]
+
+
+def test_v5e_refuses_the_fp8_paths_in_one_line(capsys):
+    from mk.__main__ import main
+    with pytest.raises(sim.SimError, match="mxfp4_matmul 'fp8': tpu-v5e's chip tpu-v5e has no fp8 MXU"):
+        sim.mk_plan_for(K3_CHIP, 1, "tpu-v5e", mxfp4_matmul="fp8")
+    for flags, what in ((["--mxfp4-matmul", "fp8"], "--mxfp4-matmul fp8: "), (["--plan", "seed"], "--plan seed: "),
+                        (["--sensitivity"], "--sensitivity: ")):
+        assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1"] + flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert what in err and "no fp8 MXU" in err and "\n" not in err, err
+
+
+def test_v5e_cli_labels_measured_datasheet_and_assumed_constants(capsys):
+    from mk.__main__ import main
+    assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1", "--experts", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "mk measured" in out and "7.61 ms" in out and "seed (modelled)" not in out
+    assert "measured (data/microbench.csv" in out and "datasheet (data/hardware.csv): hbm_bw, flops.bf16" in out
+    assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["basis"]["mxu_push_rows"] == "measured" and rep["basis"]["hbm_bw"] == "datasheet"
+    assert rep["rows"][0]["mk_plan"]["experts"] == "mxfp4" and "mk_measured_step_s" not in rep["rows"][0]

@@ -276,6 +276,7 @@ def run_aot(args) -> int:
     hbm = r.hbm_bytes if r.compiled else r.hbm_required_bytes
     out.update(compiled=r.compiled, compile_s=round(r.compile_s, 3), lower_s=round(r.lower_s, 3),
                total_s=round(r.total_s, 3), error=r.error, pallas_calls_per_step=r.pallas_calls,
+               mosaic_ops_per_step=r.mosaic_ops,
                hbm_chip_bytes_per_device=int(hbm_chip),
                hbm_argument_bytes_per_device=r.argument_bytes,
                hbm_bytes_per_device=hbm,
@@ -313,7 +314,7 @@ def _compile_row_in_process(cfg, program, topology, batch, devices, chip, expert
         r = compile_kernel(make_plan(cfg, batch, chip=chip, layout=_layout(cfg, devices), experts=expert_format), topology)
     return {"compiled": r.compiled, "timed_out": False, "lower_s": round(r.lower_s, 3),
             "compile_s": round(r.compile_s, 3), "total_s": round(r.total_s, 3), "error": r.error,
-            "pallas_calls": r.pallas_calls}
+            "pallas_calls": r.pallas_calls, "mosaic_ops": r.mosaic_ops}
 
 
 def _compile_row_subprocess(config: str, layers: int, experts, program, topology, batch, devices, timeout_s,
@@ -351,7 +352,7 @@ def _compile_row_subprocess(config: str, layers: int, experts, program, topology
                 "wall_s": round(time.perf_counter() - t, 1)}
     return {"compiled": r["compiled"], "timed_out": False, "lower_s": r["lower_s"], "compile_s": r["compile_s"],
             "total_s": r["total_s"], "error": r["error"], "pallas_calls": r["pallas_calls_per_step"],
-            "hbm_bytes_per_device": r["hbm_bytes_per_device"], "hbm_within_budget": r["hbm_within_budget"],
+            "mosaic_ops": r.get("mosaic_ops_per_step"), "hbm_bytes_per_device": r["hbm_bytes_per_device"], "hbm_within_budget": r["hbm_within_budget"],
             "wall_s": round(time.perf_counter() - t, 1)}
 
 
@@ -437,13 +438,14 @@ def run_compile_time(args) -> int:
     else:
         print(f"{args.config} on {args.topology} ({rows[0]['devices']} cores), batch {args.batch}; "
               f"lower + compile, deviceless on this CPU")
-        print(f"{'program':>14} {'layers':>6} {'lower':>9} {'compile':>9} {'total':>18}  verdict")
+        print(f"{'program':>14} {'layers':>6} {'lower':>9} {'compile':>9} {'total':>18} {'Mosaic ops':>10}  verdict")
         for r in rows:
             lo = "-" if r["lower_s"] is None else f"{r['lower_s']:.1f} s"
             co = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f} s"
+            ops = "-" if not r.get("mosaic_ops") else str(r["mosaic_ops"])
             verdict = ("timed out" if r["timed_out"] else "compiled" if r["compiled"]
                        else f"refused: {(r['error'] or '')[:90]}")
-            print(f"{r['program']:>14} {r['layers']:>6} {lo:>9} {co:>9} {_seconds(r):>18}  {verdict}")
+            print(f"{r['program']:>14} {r['layers']:>6} {lo:>9} {co:>9} {_seconds(r):>18} {ops:>10}  {verdict}")
         for p, s in summary.items():
             if s["ratio_deepest_vs_shallowest"] is not None:
                 print(f"{p}: {s['deepest']} layers / {s['shallowest']} layers = {s['ratio_deepest_vs_shallowest']:.2f}x")

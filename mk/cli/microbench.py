@@ -2,7 +2,8 @@
 
 On a TPU VM: times the kernels of `mk.microbench` (MXU weight push, DMA latency and streaming,
 vector rates), prints the curves and the constants, and with `--write FILE` writes a copy of
-data/microbench.csv with the measured rows, for `mk simulate --microbench FILE`. Anywhere:
+data/microbench.csv in which the measured chip's rows (e.g. tpu-v5e on "TPU v5 lite") are added or
+replaced and every other chip's are kept, for `mk simulate --microbench FILE`. Anywhere:
 `--check` runs every kernel once in TPU interpret mode against numpy, and `--compile TOPOLOGY`
 compiles them for a TPU topology on this machine. Nothing is timed off a TPU.
 """
@@ -23,7 +24,8 @@ def add_parser(subparsers):
                    help="compile each kernel at its timed size for a TPU topology (e.g. tpu7x:2x2x1); no timing")
     p.add_argument("--trials", type=positive_int, default=5, help="timed runs per point; the best counts (default 5)")
     p.add_argument("--write", metavar="CSV", default=None,
-                   help="write data/microbench.csv with the measured tpu-v7 rows to this file")
+                   help="write a copy of data/microbench.csv to this file with the measured chip's rows (jax's device "
+                        "kind, e.g. 'TPU v5 lite' -> tpu-v5e) added or replaced; other chips' rows as they are")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -59,7 +61,8 @@ def run(args) -> int:
     res = mb.measure(args.trials, step)
     bar.close()
     if args.write:
-        res["written"] = str(mb.write_microbench_csv(res["constants"], args.write, mb.source_label(res["device_kind"])))
+        res["written"] = str(mb.write_microbench_csv(res["constants"], args.write, mb.source_label(res["device_kind"]),
+                                                     res["chip"]))
     if args.json:
         json.dump(res, sys.stdout, indent=2, default=float)
         sys.stdout.write("\n")
@@ -75,7 +78,7 @@ def run(args) -> int:
     for nbytes, r in res["dma"].items():
         print(f"  {nbytes >> 10:5d} KiB: one at a time {r['s_one_at_a_time'] * 1e6:8.2f} us, "
               f"{mb.DMA_INFLIGHT} in flight {r['stream_bw'] / 1e12:5.2f} TB/s")
-    print("constants (data/microbench.csv rows, tpu-v7):")
+    print(f"constants (data/microbench.csv rows, {res['chip']}):")
     for k, v in res["constants"].items():
         print(f"  {k:24s} {v:.4g}")
     if args.write:

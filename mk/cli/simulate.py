@@ -4,10 +4,13 @@ For each system and batch size, `mk.sim` replays (one device's share of the shar
   seed  the schedule behind the published figure: the seed's K3 megakernel on TPU v7 (`mk.plan.SEED`),
         one kernel per op on GB200 (`mk.plan.CONVENTIONAL`, vLLM's decomposition), with the
         published figure and the ratio modelled / published (the model never reads the figure);
-  mk    mk's own plan (`mk.plan.MK`: the kernel's mesh rule, MXFP4 experts, the deepest ring that
-        fits VMEM), its speed-up over the seed's schedule, its step time over its HBM floor, and
-        where it is slower, the bubbles that make it so.
-Every constant comes from data/ with a source; those that rest on an assumption are listed as such.
+  mk    mk's own plan (`mk.plan.MK`: the kernel's mesh rule, MXFP4 experts; on the seed's system the
+        fastest modelled choices and the deepest ring that fits VMEM, on tpu-v5e the kernel's defaults,
+        as timed there), its speed-up over the seed's schedule, its step time over its HBM floor, and
+        where it is slower, the bubbles that make it so; where mk's kernel was timed on the chip
+        (data/published.csv, read after the model), the measured step and modelled / measured.
+Every constant comes from data/ with a source; the output says which are measured, datasheet
+figures and assumptions.
 """
 from __future__ import annotations
 
@@ -24,12 +27,18 @@ def add_parser(subparsers):
                               description=__doc__.splitlines()[0])
     p.add_argument("--config", default="k3", help="preset name or checkpoint directory (default: k3)")
     p.add_argument("--system", default="tpu-v7x16",
-                   help="tpu-v7x16 | gb200x16, or both comma-separated (default: tpu-v7x16)")
+                   help="tpu-v7x16 | gb200x16 | tpu-v5e (data/systems.csv), or several comma-separated "
+                        "(default: tpu-v7x16)")
     p.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes, 1..8 (default: 1,2,4,8)")
     p.add_argument("--context", type=positive_int, default=None,
                    help="mean attended tokens per sequence, a multiple of 128 (default: 512, the benchmark's mean position)")
     p.add_argument("--plan", choices=("both", "seed", "mk"), default="both",
                    help="which plan to model: the seed's schedule, mk's plan, or both (default)")
+    p.add_argument("--experts", choices=("bf16", "mxfp4"), default=None,
+                   help="mk's plan: the routed experts' storage (default: mxfp4 where the layout allows it)")
+    p.add_argument("--mxfp4-matmul", choices=("bf16", "fp8"), default=None,
+                   help="mk's plan: how MXFP4 experts meet the MXU (default: the faster modelled, or the "
+                        "kernel's default 'bf16' on a system modelled as run; 'fp8' needs an fp8 MXU)")
     p.add_argument("--mean-experts", action="store_true",
                    help="use the mean distinct experts per device instead of the slowest expert-parallel group")
     p.add_argument("--sensitivity", action="store_true",
@@ -61,9 +70,24 @@ def _trace_paths(path: str, combos: list[tuple]) -> dict[tuple, str]:
     return {c: f"{stem}-{c[0]}-b{c[1]}-{c[2]}{ext or '.json'}" for c in combos}
 
 
+def _check_system(system, plans, mxfp4_matmul, sensitivity=False):
+    """One-line refusals of what `system` cannot run: the seed's fp8 schedule or the fp8 MXFP4 path
+    on a chip without an fp8 MXU (v5e), mk's kernel off a TPU."""
+    from mk import sim
+    no_fp8 = f"{system.name}'s chip {system.chip.name} has no fp8 MXU (data/hardware.csv fp8_flops = 0)"
+    if mxfp4_matmul == "fp8" and not sim.has_fp8_mxu(system):
+        raise UserError(f"--mxfp4-matmul fp8: {no_fp8}; its kernel runs MXFP4 experts on the bf16 path")
+    if (plans == ("seed",) or sensitivity) and not sim.seed_runs_on(system):
+        raise UserError(f"{'--sensitivity' if sensitivity else '--plan seed'}: the seed's schedule (fp8 experts) "
+                        f"is not modelled on {system.name}: {no_fp8}")
+    if plans == ("mk",) and system.program != "megakernel":
+        raise UserError(f"--plan mk: mk's kernel is a TPU program; {system.name} runs one kernel per op")
+
+
 def collect(config: str, systems: list[str], batches: list[int], context: int | None = None,
             straggler: bool = True, plans: tuple[str, ...] = ("seed", "mk"), trace: str | None = None,
-            microbench: str | None = None) -> list[dict]:
+            microbench: str | None = None, experts: str | None = None, mxfp4_matmul: str | None = None,
+            sensitivity: bool = False) -> list[dict]:
     from mk.config import get_config
     from mk import conventional, hardware, roofline, sim
 
@@ -72,17 +96,20 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
     if ctx % 128:
         raise UserError(f"--context: must be a multiple of 128 (whole cache blocks), found {ctx}")
     for name in systems:
-        if name not in hardware.SYSTEMS:
-            raise UserError(f"--system: unknown system {name!r}; expected one of {list(hardware.SYSTEMS)}")
+        if name not in hardware.system_names():
+            raise UserError(f"--system: unknown system {name!r}; expected one of {list(hardware.system_names())}")
+    for name in systems:
+        _check_system(hardware.get_system(name, microbench_csv=microbench), plans, mxfp4_matmul, sensitivity)
     paths = _trace_paths(trace, [(s, b, p) for s in systems for b in batches for p in plans]) if trace else {}
     out = []
     for name in systems:
         system = hardware.get_system(name, microbench_csv=microbench)
         rows = []
         for b in batches:
-            r = sim.predict(cfg, b, system, context=ctx, straggler=straggler, plans=plans, record=bool(trace))
+            r = sim.predict(cfg, b, system, context=ctx, straggler=straggler, plans=plans, record=bool(trace),
+                            experts=experts, mxfp4_matmul=mxfp4_matmul)
             row = {k: v for k, v in r.items() if not k.startswith("_")}
-            if "seed" in plans:
+            if "seed" in r["_results"]:
                 roof = roofline.roofline(cfg, b, ctx, system=system, straggler=straggler,
                                          plan=r["_results"]["seed"].plan)
                 row["roofline"] = {"t_hbm_s": roof.t_hbm, "t_compute_s": roof.t_compute,
@@ -104,6 +131,7 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
             "layout_assumption": system.setup.assumption,
             "assumptions": system.assumptions() + (["K3-only kernels of the decomposition"]
                                                    if system.program == "per_op" else []),
+            "basis": {k: c.basis for k, c in system.constants.items()},
             "decomposition": conventional.DECOMPOSITION_SOURCE if system.program == "per_op" else None,
             "constants": {k: c.summary() for k, c in system.constants.items()},
             "microbench": microbench or "data/microbench.csv",
@@ -121,26 +149,36 @@ def format_table(report: list[dict]) -> str:
     for rep in report:
         lines.append(f"{rep['system']}: {rep['layout']}" + ("  [layout: ASSUMPTION]" if rep["layout_assumption"] else ""))
         lines.append(f"  layout source: {rep['layout_source']}")
-        lines.append(f"  seed's schedule: {rep['seed_schedule']}; context {rep['context']}; experts per device: "
+        seed = any("seed" in r for r in rep["rows"])
+        lines.append((f"  seed's schedule: {rep['seed_schedule']}; " if seed else "  seed's schedule: not modelled here; ")
+                     + f"context {rep['context']}; experts per device: "
                      f"{'slowest expert-parallel group' if rep['straggler'] else 'mean'}")
         if rep.get("decomposition"):
             lines.append(f"  kernel decomposition: {rep['decomposition']}")
-        hdr = (f"{'B':>3} | {'seed (modelled)':>20} | {'published':>9} | {'ratio':>5} | {'mk plan (modelled)':>20} | "
-               f"{'mk/seed':>7} | {'mk/HBM floor':>12}")
+        measured = any("mk_measured_step_s" in r for r in rep["rows"])
+        mk_tok = lambda r: (_ms(r["mk"]["step_time_s"]) + " " + format(r["mk"]["tokens_per_s"], "5.0f") + "/s"
+                            if "mk" in r else "-")
+        # (header, width, cell of a row), the seed's and the measured columns only where a row has them
+        cols = [("B", 3, lambda r: str(r["batch"]))]
+        if seed:
+            cols += [("seed (modelled)", 20, lambda r: _ms(r["seed"]["step_time_s"]) + " " +
+                      format(r["seed"]["tokens_per_s"], "5.0f") + "/s" if "seed" in r else "-"),
+                     ("published", 9, lambda r: f"{r['published_tok_s']:7.0f}/s" if r.get("published_tok_s") else "-"),
+                     ("ratio", 5, lambda r: f"{r['ratio']:5.2f}" if r.get("ratio") else "-")]
+        cols += [("mk plan (modelled)", 20, mk_tok)]
+        if seed:
+            cols += [("mk/seed", 7, lambda r: f"{r['mk_speedup']:6.2f}x" if "mk_speedup" in r else "-")]
+        cols += [("mk/HBM floor", 12, lambda r: f"{r['mk_hbm_floor_ratio']:11.2f}x" if "mk_hbm_floor_ratio" in r else "-")]
+        if measured:
+            cols += [("mk measured", 11, lambda r: _ms(r["mk_measured_step_s"]) if "mk_measured_step_s" in r else "-"),
+                     ("modelled/measured", 17, lambda r: f"{r['mk_modelled_over_measured']:.2f}"
+                      if "mk_measured_step_s" in r else "-")]
+        hdr = " | ".join(f"{h:>{w}}" for h, w, _ in cols)
         lines.append(hdr)
         lines.append("-" * len(hdr))
         notes = []
         for r in rep["rows"]:
-            sd, mk = r.get("seed"), r.get("mk")
-            cells = [f"{r['batch']:>3}"]
-            cells.append(f"{_ms(sd['step_time_s']) + ' ' + format(sd['tokens_per_s'], '5.0f') + '/s':>20}" if sd else f"{'-':>20}")
-            pub = r.get("published_tok_s")
-            cells.append(f"{pub:7.0f}/s" if pub else f"{'-':>9}")
-            cells.append(f"{r['ratio']:5.2f}" if sd and r.get("ratio") else f"{'-':>5}")
-            cells.append(f"{_ms(mk['step_time_s']) + ' ' + format(mk['tokens_per_s'], '5.0f') + '/s':>20}" if mk else f"{'-':>20}")
-            cells.append(f"{r['mk_speedup']:6.2f}x" if "mk_speedup" in r else f"{'-':>7}")
-            cells.append(f"{r['mk_hbm_floor_ratio']:11.2f}x" if "mk_hbm_floor_ratio" in r else f"{'-':>12}")
-            lines.append(" | ".join(cells))
+            lines.append(" | ".join(f"{cell(r):>{w}}" for _, w, cell in cols))
             if r.get("mk_bubbles_s"):
                 top = ", ".join(f"{x['category']} +{x['extra_s'] * 1e3:.2f} ms" for x in r["mk_bubbles_s"][:4])
                 notes.append(f"  B={r['batch']}: mk slower than the seed's schedule; bubbles: {top}")
@@ -148,19 +186,32 @@ def format_table(report: list[dict]) -> str:
         notes += [f"  mk plan: {n}" for n in sorted(plan_notes)]
         info = next((r["mk_plan"] for r in rep["rows"] if "mk_plan" in r), None)
         if info:
-            notes.append(f"  mk plan: {info['devices']} devices (EP{info['ep']} x TP{info['tp_expert']} experts), "
-                         f"{info['experts']} experts; per batch the fastest modelled of the choices the kernel runs "
-                         f"(tiles, all-reduce rounds, MXFP4 MXU path), the deepest ring that fits VMEM:")
+            how = ("the kernel's defaults (mk.kernel.make_step_fn), as timed on the chip" if info["mk_plan"] == "defaults"
+                   else "per batch the fastest modelled of the choices the kernel runs (tiles, all-reduce rounds, "
+                        "MXFP4 MXU path), the deepest ring that fits VMEM")
+            notes.append(f"  mk plan: {info['devices']} device(s) (EP{info['ep']} x TP{info['tp_expert']} experts), "
+                         f"{info['experts']} experts, chip {info['chip']}; {how}:")
             picks = {r["batch"]: r["mk_plan"] for r in rep["rows"] if "mk_plan" in r}
             for b, i in picks.items():
-                notes.append(f"    B={b}: tiles {i['tile'][0]}x{i['tile'][1]}, prefetch depth {i['prefetch_depth']}, "
-                             f"{i['all_reduce'].replace('_', ' ')} all-reduces, MXFP4 on the {i['mxfp4_matmul']} MXU path")
+                mx = (f", MXFP4 on the {i['mxfp4_matmul']} MXU path ({i['dequant_ops_per_weight']} vector ops per "
+                      f"weight to dequantize)" if i["experts"] == "mxfp4" else "")
+                ar = f", {i['all_reduce'].replace('_', ' ')} all-reduces" if i["devices"] > 1 else ""
+                notes.append(f"    B={b}: tiles {i['tile'][0]}x{i['tile'][1]}, prefetch depth {i['prefetch_depth']}{ar}{mx}")
             if any(i["mxfp4_matmul"] == "fp8" for i in picks.values()):
                 notes.append("  the fp8 path (bf16 activations x e4m3 codes) is modelled at the fp8 MXU rate, which "
                              "no measurement confirms yet: `mk microbench` on a TPU times it (mxu.bf16xfp8)")
         lines += notes
-        lines.append("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster);"
-                     " all times modelled (mk.sim)")
+        lines.append(("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster); "
+                      if seed else "  ") + "all times modelled (mk.sim)" +
+                     ("; mk measured: mk's kernel timed on the chip (data/published.csv, read after the model)"
+                      if measured else ""))
+        by = {}
+        for k, b in rep["basis"].items():
+            by.setdefault(b, []).append(k)
+        for b, what in (("measured", "measured (data/microbench.csv; sources say where and when)"),
+                        ("datasheet", "datasheet (data/hardware.csv)")):
+            if by.get(b):
+                lines.append(f"  {what}: {', '.join(by[b])}")
         if rep["assumptions"]:
             lines.append(f"  assumptions (no measurement behind them): {', '.join(rep['assumptions'])}"
                          + ("; `mk microbench` on a TPU measures the TPU ones" if rep["system"].startswith("tpu") else ""))
@@ -194,7 +245,7 @@ def run(args) -> int:
     batches = _batches(args.batch)
     plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
     report = collect(args.config, systems, batches, args.context, not args.mean_experts, plans, args.trace,
-                     args.microbench)
+                     args.microbench, args.experts, args.mxfp4_matmul, args.sensitivity)
     if args.sensitivity:
         from mk.hardware import get_system
         for rep in report:
