@@ -233,8 +233,8 @@ def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts:
 
 
 def moe_layer(m, moe_params: dict, i: int, cfg: K3Config, experts: str, moe: str):
-    """MoE layer i (params["moe"], stacked), m [B, d] bf16 -> [B, d] bf16 (the reference's
-    rounding points)."""
+    """MoE layer i (params["moe"], stacked), m [B, d] bf16 -> (z [B, d] bf16, ids [B, k]), the
+    reference's rounding points."""
     w = {k: v[i] for k, v in moe_params.items() if k not in ("w1", "w3", "w2")}
     ids, weights = route(m, w["router"], w["router_bias"], cfg.top_k)
     latent = bf(dot(m, w["latent_down"]))
@@ -242,7 +242,7 @@ def moe_layer(m, moe_params: dict, i: int, cfg: K3Config, experts: str, moe: str
     r_sum = bf(routed(latent, ids, weights, moe_params, i, cfg, experts))
     z_routed = dot(rms(r_sum, w["latent_norm"], cfg.eps), w["latent_up"])
     h = situ(bf(dot(m, w["shared_gate"])), bf(dot(m, w["shared_up"])), cfg.situ_beta, cfg.situ_linear_beta)
-    return bf(z_routed + dot(h, w["shared_down"]))
+    return bf(z_routed + dot(h, w["shared_down"])), ids
 
 
 def dense_layer(m, w: dict, cfg: K3Config):
@@ -255,9 +255,11 @@ def _slice(tree: dict, i: int) -> dict:
 
 
 def step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, experts: str = "bf16",
-         moe: str = "loop"):
+         moe: str = "loop", routing: bool = False):
     """One decode step (not jitted; `make_baseline_step` jits it): tokens [B] int32 ->
-    (logits [B, V] f32, cache advanced by one position)."""
+    (logits [B, V] f32, cache advanced by one position), and with `routing` the chosen experts
+    ids [n_moe, B, k] int32 (ascending per row) as a third output."""
+    chosen = []
     pos = cache["pos"]
     kda_state, conv_state = cache["kda_state"], cache["conv_state"]
     mla_k, mla_v = cache["mla_k"], cache["mla_v"]
@@ -279,22 +281,27 @@ def step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, experts
         p = y if cfg.starts_block(l) else bf(p + y)
         x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps)
         mm_in = rms(x, lw["ffn_norm"], cfg.eps)
-        z = dense_layer(mm_in, params["dense"], cfg) if l == 0 else \
-            moe_layer(mm_in, params["moe"], l - 1, cfg, experts, moe)
+        if l == 0:
+            z = dense_layer(mm_in, params["dense"], cfg)
+        else:
+            z, ids = moe_layer(mm_in, params["moe"], l - 1, cfg, experts, moe)
+            chosen.append(ids)
         p = bf(p + z)
     h = mix(p, blocks, params["output_res"], cfg.eps)
     logits = dot(rms(h, params["final_norm"], cfg.eps), params["lm_head"])
-    return logits, {"pos": pos + 1, "kda_state": kda_state, "conv_state": conv_state, "mla_k": mla_k, "mla_v": mla_v}
+    cache = {"pos": pos + 1, "kda_state": kda_state, "conv_state": conv_state, "mla_k": mla_k, "mla_v": mla_v}
+    return (logits, cache, jnp.stack(chosen)) if routing else (logits, cache)
 
 
-def make_baseline_step(cfg: K3Config, experts: str = "bf16", moe: str = "loop"):
-    """The fair XLA step, jitted with the cache donated: step(params, cache, tokens) -> (logits, cache).
-    experts: the format `params` holds the routed experts in; moe: "loop" or "ragged" (module doc)."""
+def make_baseline_step(cfg: K3Config, experts: str = "bf16", moe: str = "loop", routing: bool = False):
+    """The fair XLA step, jitted with the cache donated: step(params, cache, tokens) -> (logits, cache)
+    (+ the routed ids with `routing`, see `step`). experts: the format `params` holds the routed
+    experts in; moe: "loop" or "ragged" (module doc)."""
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, found {experts!r}")
     if moe not in MOE_MODES:
         raise ValueError(f"moe must be one of {MOE_MODES}, found {moe!r}")
-    return jax.jit(functools.partial(step, cfg=cfg, experts=experts, moe=moe), donate_argnums=(1,))
+    return jax.jit(functools.partial(step, cfg=cfg, experts=experts, moe=moe, routing=routing), donate_argnums=(1,))
 
 
 def abstract_params(cfg: K3Config, experts: str = "bf16") -> dict:
