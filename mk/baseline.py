@@ -34,7 +34,7 @@ k3-chip (6.02 GB of bf16 params; 3.91 GB dense, 2.11 GB routed experts = 66 MB p
     reference.decode_step 1   3.59e10  15.6 GB          1.96 GB
     reference.decode_step 8   9.51e10  32.5 GB          3.20 GB
     baseline (loop) bf16  1   5.37e9    5.0 GB          5.7 MB
-    baseline (loop) bf16  8   2.87e10   5.0 GB          7.7 MB
+    baseline (loop) bf16  8   2.87e10   4.7 GB          7.5 MB
     baseline (loop) mxfp4 1   6.53e9    5.9 GB          28 MB
     baseline (loop) mxfp4 8   3.00e10  12.0 GB          752 MB
     baseline (ragged) bf16 1/8  6.2e9 / 3.6e10   9.6 / 8.9 GB   6 / 8 MB
@@ -52,7 +52,7 @@ What the HLO showed:
    bf16 [B, 1, 3584, 3072] (176 MB each at B = 8) materialize each row's chosen experts (B x k
    copies per MoE matrix), plus the `lax.map` over B x H (row, head) pairs of KDA and MLA, a
    sequential loop whose trip count is 8x longer at B = 8. Temporaries 1.96 -> 3.20 GB, bytes
-   15.6 -> 32.5 GB. The baseline has neither: its bytes do not grow with B (5.0 GB at B = 1 and 8;
+   15.6 -> 32.5 GB. The baseline has neither: its bytes do not grow with B (5.0 / 4.7 GB at B = 1 / 8;
    the KDA state, f32 [B, 2, 32, 128, 128] = 33.6 MB at B = 8, is its largest B-sized buffer).
 3. MXFP4 in XLA: at B = 8 (not at B = 1) XLA's layout assignment picks a tiled layout for the
    u8 packed experts inside the loop and relayouts the whole stacked packed arrays (3 x 176 MB
