@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "mk.cli.simulate",     # simulate
     "mk.cli.microbench",   # microbench
     "mk.cli.notebooks",    # notebooks
+    "mk.cli.bench",        # bench
 ]
 
 

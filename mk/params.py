@@ -125,7 +125,7 @@ def init(cfg: K3Config, seed: int = 0, *, on_device: bool | None = None) -> dict
     if on_device is None:
         on_device = num_params(cfg) > DEVICE_INIT_ABOVE
     if on_device:
-        return _init_on_device(cfg, seed)
+        return init_fast(cfg, seed)
     rng = np.random.default_rng(seed)
     structs = shapes(cfg)
 
@@ -150,34 +150,61 @@ def init(cfg: K3Config, seed: int = 0, *, on_device: bool | None = None) -> dict
     return jax.tree_util.tree_map_with_path(make, structs)
 
 
-def _init_on_device(cfg: K3Config, seed: int) -> dict:
-    """`init`'s distributions drawn with `jax.random` on the default device, one family at a time
-    (key: the family's index in the flattened tree); the router biases stay host numpy (tiny)."""
-    from functools import partial
+def init_fast(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict:
+    """Random parameters drawn on the default device, leaf by leaf (`jax.random`), for configs too
+    big for `init`'s host-side numpy (3 B parameters: ~100 s there, seconds here). Same
+    distributions as `init` (norms, AttnRes queries, conv taps, decays, damped matrices, decisive
+    router biases), not the same values; deterministic in (cfg, seed, experts) on a given backend.
 
-    @partial(jax.jit, static_argnames=("shape", "dtype", "kind", "scale", "offset"))
-    def draw(key, shape, dtype, kind, scale, offset):
-        if kind == "conv":
-            x = 0.1 * jax.random.normal(key, shape, F32)
-            x = x.at[..., -1, :].add(1.0)
-        elif kind == "a_log":
-            x = jnp.log(jax.random.uniform(key, shape, F32, 1.0, 16.0))
-        else:
-            x = offset + scale * jax.random.normal(key, shape, F32)
-        return x.astype(dtype)
-
-    leaves, tree = jax.tree_util.tree_flatten_with_path(shapes(cfg))
-    root = jax.random.key(seed)
+    experts="mxfp4": the routed experts as the MXFP4 checkpoint tree holds them
+    (`mk.checkpoint.load(..., experts="mxfp4")`): moe.w1/w3/w2 = {"packed": u8 [n_moe, E, N, K/2]
+    uniformly random E2M1 code pairs, "scale": u8 [n_moe, E, N, K/32] E8M0 bytes giving each
+    family `init`'s standard deviation (within a factor 2)}."""
+    if experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"experts must be 'bf16' or 'mxfp4', found {experts!r}")
+    structs = shapes(cfg)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(structs)
+    base = jax.random.PRNGKey(seed)
     out = []
-    for i, (path, s) in enumerate(leaves):
+    for n, (path, s) in enumerate(leaves):
         key = tuple(p.key for p in path)
-        kind, scale, offset = _family(cfg, key, s.shape)
-        if kind == "router_bias":
-            x = jnp.asarray(_decisive_router_bias(np.random.default_rng(seed), s.shape, cfg.top_k), s.dtype)
-        else:
-            x = draw(jax.random.fold_in(root, i), s.shape, s.dtype, kind, float(scale), float(offset))
-        out.append(jax.block_until_ready(x))
+        k = jax.random.fold_in(base, n)
+        out.append(_fast_leaf(cfg, key, s, k, experts))
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+# RMS of an E2M1 code drawn uniformly from all 16: sqrt(mean of the squared magnitudes 0 .. 6)
+_E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))
+
+
+def _fast_leaf(cfg: K3Config, key: tuple, s: jax.ShapeDtypeStruct, k, experts: str):
+    shape, dtype = s.shape, s.dtype
+    normal = lambda scale, dt=dtype: (jax.random.normal(k, shape, dt) * jnp.asarray(scale, dt)).astype(dtype)
+    if key in _NORMS:
+        return (1.0 + 0.05 * jax.random.normal(k, shape, F32)).astype(dtype)
+    if key in {("output_res",), ("layer", "attn_res"), ("layer", "mlp_res")}:
+        return normal(0.5 / np.sqrt(cfg.dim))
+    if key == ("embed",):
+        return normal(1.0)
+    if key == ("kda", "conv"):
+        x = 0.1 * jax.random.normal(k, shape, F32)
+        return x.at[..., -1, :].add(1.0).astype(dtype)
+    if key == ("kda", "a_log"):
+        return jnp.log(jax.random.uniform(k, shape, F32, 1.0, 16.0)).astype(dtype)
+    if key == ("kda", "dt_bias"):
+        return normal(0.5)
+    if key == ("moe", "router_bias"):
+        keys = jax.random.split(k, shape[0])
+        return jnp.stack([jax.random.permutation(kk, shape[1]) * 0.15 for kk in keys]).astype(dtype)
+    scale = 1.0 / np.sqrt(shape[-2]) * (OUTPUT_DAMPING if key in _DAMPED else 1.0)
+    if experts == "mxfp4" and key[0] == "moe" and key[1] in ("w1", "w3", "w2"):
+        *lead, K, N = shape
+        kp, ks = jax.random.split(k)
+        byte = int(round(np.log2(scale / _E2M1_RMS))) + 127
+        packed = jax.random.randint(kp, (*lead, N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        scale_bytes = byte + jax.random.randint(ks, (*lead, N, K // 32), -1, 1, jnp.int32)   # byte - 1 or byte
+        return {"packed": packed, "scale": scale_bytes.astype(jnp.uint8)}
+    return normal(scale)
 
 
 def _decisive_router_bias(rng, shape, top_k):

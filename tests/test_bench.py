@@ -1,0 +1,128 @@
+"""mk bench without a TPU: the refusal, the byte accounting, the timing bookkeeping, the whole
+measure() pipeline on mini with the TPU check bypassed (CPU timings: no claim, only plumbing)."""
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mk import bench
+from mk.config import get_config
+from mk.plan import make_plan
+
+MINI = get_config("mini")
+
+
+def test_cli_refuses_on_cpu_in_one_line():
+    p = subprocess.run([sys.executable, "-m", "mk", "bench", "--config", "k3-chip"], capture_output=True, text=True,
+                       env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 2
+    lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "TPU" in lines[0] and "'cpu'" in lines[0], p.stderr
+    assert p.stdout == ""
+
+
+def test_measure_refuses_on_cpu():
+    with pytest.raises(bench.BenchError, match="TPU"):
+        bench.measure(MINI, batches=(1,))
+
+
+def test_step_bytes_against_an_independent_count():
+    """Every matrix of mini written out by hand (not from mk.params.shapes)."""
+    c = MINI
+    d, H, D, HD, V = c.dim, c.heads, c.head_dim, c.heads * c.head_dim, c.vocab
+    kda = c.n_kda * (2 * (d * D + D * HD + 4 * d * HD + d * H + HD * d) + 4 * (3 * c.conv_size * HD + H + HD + D))
+    mla = c.n_mla * 2 * (d * c.q_rank + c.q_rank + d * (c.kv_rank + c.qk_extra) + c.kv_rank
+                         + c.q_rank * H * (D + c.qk_extra) + c.kv_rank * H * 2 * D + d * HD + HD * d)
+    dense = 2 * 3 * d * c.dense_hidden
+    S = c.shared_hidden
+    moe = c.n_moe * (2 * d * c.experts + 4 * c.experts + 2 * 2 * d * c.latent + 4 * c.latent + 2 * 3 * d * S)
+    glob = 2 * d * V + 2 * d + 4 * d + c.layers * (2 * 2 * d + 2 * 4 * d)      # lm_head, norms, AttnRes
+    B = 3
+    dense_total = kda + mla + dense + moe + glob + B * d * 2                      # + B embedding rows
+    ids = np.array([[[0, 1, 2, 3], [1, 2, 3, 4], [0, 1, 2, 3]]] * c.n_moe)       # layer: 5 distinct experts
+    distinct = [len(np.unique(ids[l])) for l in range(c.n_moe)]
+    for fmt, per_weight in (("bf16", 2), ("mxfp4", 17 / 32)):
+        got = bench.step_bytes(c, B, fmt, distinct)
+        assert got["weight_bytes"] == dense_total
+        assert got["expert_bytes"] == pytest.approx(c.n_moe * 5 * 3 * c.latent * c.expert_hidden * per_weight)
+        assert got["hbm_bytes"] == got["weight_bytes"] + got["expert_bytes"] + got["state_bytes"]
+        assert got["state_bytes"] > 0 and got["plan_weight_bytes"] >= got["weight_bytes"] - B * d * 2
+
+
+def test_summary_and_ratios_with_a_fake_timer():
+    ticks = iter([0.0, 9.0,   10.0, 10.004,   20.0, 20.001,   30.0, 30.002,   40.0, 40.010])  # warm-up 9 s
+    seen = []
+
+    def step(cache, tok):
+        return jnp.zeros(2), {"n": cache["n"] + 1}
+
+    made = []
+
+    def new_cache():
+        made.append(1)
+        return {"n": 0}
+
+    times = bench.time_steps(step, new_cache, np.zeros((5, 2), np.int32), warmup=1, ctx=3,
+                             timer=lambda: next(ticks), on_output=lambda t, out: seen.append(t))
+    assert times == pytest.approx([0.004, 0.001, 0.002, 0.010])     # the 9 s warm-up step is not timed
+    assert seen == [0, 1, 2, 3, 4] and len(made) == 2                 # cache recreated after ctx = 3 steps
+    s = bench.summarize(times)
+    assert s == pytest.approx({"median_ms": 3.0, "min_ms": 1.0, "max_ms": 10.0, "steps": 4})
+    rows = [{"impl": "kernel", "batch": 1, "median_ms": 2.0}, {"impl": "xla", "batch": 1, "median_ms": 5.0},
+            {"impl": "reference", "batch": 1, "median_ms": None}, {"impl": "xla", "batch": 2, "median_ms": 5.0}]
+    bench.add_ratios(rows)
+    assert [r["kernel_speedup"] for r in rows] == [None, 2.5, None, None]
+    row = bench.finish_row({"batch": 4, "median_ms": 2.0}, {"hbm_bytes": 1e9},
+                           {"datasheet_bw": 800e9, "stream_bw": 625e9})
+    assert row["gb_s"] == pytest.approx(500) and row["tok_s"] == pytest.approx(2000)
+    assert row["frac_datasheet"] == pytest.approx(0.625) and row["frac_stream"] == pytest.approx(0.8)
+
+
+def test_stream_bandwidth_missing_or_measured(tmp_path):
+    assert bench.chip_of_device("TPU v5 lite") == ("v5e", "tpu-v5e")
+    base = open(bench.__file__.replace("mk/bench.py", "data/microbench.csv")).read()
+    bw = bench.bandwidths("tpu-v5e", tmp_path / "none.csv")
+    assert bw["stream_bw"] is None and bw["stream_source"].startswith("not measured") and bw["datasheet_bw"] == 819e9
+    f = tmp_path / "mb.csv"
+    f.write_text(base.rstrip("\n") + "\ntpu-v5e,dma_stream_bw,7.95e11,bytes/s,,,measured: test,\n")
+    bw = bench.bandwidths("tpu-v5e", f)
+    assert bw["stream_bw"] == 7.95e11 and bw["stream_source"] == "measured: test"
+
+
+def test_a_config_that_does_not_fit_is_refused_in_one_line():
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 15.7e9}
+    need = bench.device_bytes_needed(get_config("k3-slice"), "bf16", ("kernel", "xla"), (1,), 256, "v5e")
+    with pytest.raises(bench.BenchError) as e:
+        bench.check_fits(get_config("k3-slice"), need, Device(), "tpu-v5e", "k3-slice")
+    assert "--config k3-slice" in str(e.value) and "15.70 GB" in str(e.value) and "\n" not in str(e.value)
+    need = bench.device_bytes_needed(get_config("k3-chip"), "bf16", ("kernel", "xla", "reference"), (1, 8), 256, "v5e")
+    bench.check_fits(get_config("k3-chip"), need, Device(), "tpu-v5e", "k3-chip")        # fits
+
+
+def test_kernel_weights_are_reused_only_for_an_equal_packing():
+    from mk.params import init
+    from mk.plan import pack_weights
+    p1, p8 = make_plan(MINI, 1), make_plan(MINI, 8)
+    assert bench.pack_key(p1) == bench.pack_key(p8)
+    params = init(MINI, 0)
+    a, b = pack_weights(p1, params), pack_weights(p8, params)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert bench.pack_key(p1) != bench.pack_key(make_plan(MINI, 1, tile=256))
+
+
+@pytest.mark.slow
+def test_measure_pipeline_on_mini(monkeypatch):
+    """All impls at two batches, the TPU check bypassed: every row complete, routing counted."""
+    monkeypatch.setattr(bench, "require_tpu", lambda backend=None: None)
+    rows = bench.measure(MINI, batches=(1, 2), steps=2, warmup=1, impls=("kernel", "xla", "reference"),
+                         progress=False)
+    assert [(r["impl"], r["batch"]) for r in rows] == [(i, b) for b in (1, 2) for i in ("kernel", "xla", "reference")]
+    for r in rows:
+        assert r["error"] is None and r["steps"] == 2 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["distinct_source"].startswith("routed") and len(r["distinct_experts"]) == MINI.n_moe
+        assert MINI.top_k <= min(r["distinct_experts"]) <= max(r["distinct_experts"]) <= r["batch"] * MINI.top_k
+        assert r["hbm_bytes"] > 0 and r["tok_s"] == pytest.approx(r["batch"] / r["median_ms"] * 1e3)
