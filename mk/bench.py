@@ -40,13 +40,12 @@ import numpy as np
 
 from mk.config import K3Config
 from mk.errors import UserError
+from mk.plan import CHIP_OF_DEVICE_KIND, HARDWARE_CHIP
 
 IMPLS = ("kernel", "xla", "xla-ragged", "reference")
 DEFAULT_IMPLS = ("kernel", "xla", "reference")
 # jax device_kind -> (mk.plan chip, data/hardware.csv chip)
-DEVICE_KINDS = {"TPU v5 lite": ("v5e", "tpu-v5e"), "TPU v5e": ("v5e", "tpu-v5e"), "TPU v5": ("v5p", "tpu-v5p"),
-                "TPU v5p": ("v5p", "tpu-v5p"), "TPU v6 lite": ("v6e", "tpu-v6e"), "TPU v6e": ("v6e", "tpu-v6e"),
-                "TPU7x": ("tpu7x", "tpu-v7"), "TPU v7": ("tpu7x", "tpu-v7")}
+DEVICE_KINDS = {kind: (chip, HARDWARE_CHIP[chip]) for kind, chip in CHIP_OF_DEVICE_KIND.items() if chip in HARDWARE_CHIP}
 STREAM_QUANTITY = "dma_stream_bw"
 
 
@@ -252,7 +251,9 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
 
     from mk import baseline, reference
     from mk.params import init_fast
-    params = params if params is not None else init_fast(cfg, seed, experts)
+    t0 = time.perf_counter()
+    params = params if params is not None else jax.block_until_ready(init_fast(cfg, seed, experts))
+    log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(seed)
     tokens = {B: rng.integers(0, cfg.vocab, (warmup + steps, B)).astype(np.int32) for B in batches}
     plan_kw = {} if prefetch_depth is None else {"prefetch_depth": prefetch_depth}
@@ -279,9 +280,18 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
         row["wall_s"] = time.perf_counter() - t0
         results[impl, B] = row
         bar.update(1)
+        log(f"B={B} {impl}: " + (f"median {row['median_ms']:.3f} ms (min {row['min_ms']:.3f}, max {row['max_ms']:.3f}), "
+                                 if row["median_ms"] is not None else f"{row['error']}, ") + f"{row['wall_s']:.1f} s")
 
-    # XLA steps first (without the kernel's weights resident: the reference's temporaries are GBs),
-    # compiled ahead in threads; the xla step's routing gives the distinct experts.
+    # The kernel first (its packed weights are freed before the XLA steps, whose temporaries are GBs
+    # at B = 8); then the XLA steps, each compiled when its case starts; the xla step's routing gives
+    # the distinct experts.
+    if "kernel" in impls:
+        kernel_cache = {"key": None, "weights": None}
+        for B in batches:
+            run_case("kernel", B, lambda B=B: _kernel_step(plans[B], params, kernel_cache))
+        kernel_cache.clear()
+        gc.collect()
     xla_impls = [i for i in ("xla", "xla-ragged", "reference") if i in impls]
     if xla_impls:
         ref_params = _dequantized_on_device(params) if "reference" in impls and experts == "mxfp4" else params
@@ -293,22 +303,16 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
             else:
                 fns[impl] = (baseline.make_baseline_step(cfg, experts, "loop" if impl == "xla" else "ragged",
                                                          routing=impl == "xla"), params)
-        compiled = _compile_ahead(fns, batches, cfg, ctx)
+        compiled = _compile_lazily(fns, batches, cfg, ctx)
         for B in batches:
             for impl in xla_impls:
                 fn_params = fns[impl][1]
-                make = lambda f=compiled[impl, B], p=fn_params: functools.partial(_call, f.result(), p)
+                make = lambda f=compiled[impl, B], p=fn_params: functools.partial(_call, f(), p)
                 on_output = None
                 if impl == "xla":
                     on_output = (lambda t, out, B=B: distinct[B].append(_distinct(out[2])) if t >= warmup else None)
                 run_case(impl, B, make, on_output)
         del ref_params, fns, compiled
-        gc.collect()
-    if "kernel" in impls:
-        kernel_cache = {"key": None, "weights": None}
-        for B in batches:
-            run_case("kernel", B, lambda B=B: _kernel_step(plans[B], params, kernel_cache))
-        kernel_cache.clear()
         gc.collect()
     bar.close()
 
@@ -331,20 +335,21 @@ def _call(executable, params, cache, tokens):
     return executable(params, cache, tokens)
 
 
-def _compile_ahead(fns: dict, batches, cfg: K3Config, ctx: int) -> dict:
-    """{(impl, B): Future of the compiled step}, compiled in a thread pool (XLA compiles in
-    parallel; the timing loop waits for each only when it needs it)."""
-    from concurrent.futures import ThreadPoolExecutor
+def _compile_lazily(fns: dict, batches, cfg: K3Config, ctx: int) -> dict:
+    """{(impl, B): a function that compiles the step (when its case starts, inside its wall time)}."""
     from mk.reference import init_cache
-    pool = ThreadPoolExecutor(max_workers=4)
     out = {}
     for B in batches:
-        cache = jax.eval_shape(lambda: init_cache(cfg, B, ctx))
+        cache = jax.eval_shape(lambda B=B: init_cache(cfg, B, ctx))
         tok = jax.ShapeDtypeStruct((B,), jnp.int32)
         for impl, (fn, p) in fns.items():
-            out[impl, B] = pool.submit(lambda fn=fn, p=p, c=cache, t=tok: fn.lower(p, c, t).compile())
-    pool.shutdown(wait=False)
+            out[impl, B] = lambda fn=fn, p=p, c=cache, t=tok: fn.lower(p, c, t).compile()
     return out
+
+
+def log(msg: str):
+    """One progress line on stderr, always (a run cut short by a timeout still says how far it got)."""
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
 def metadata(cfg: K3Config, experts: str, steps: int, warmup: int, microbench_csv=None) -> dict:

@@ -39,6 +39,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk.plan import CHIP_OF_DEVICE_KIND, HARDWARE_CHIP
 from mk.errors import UserError
 
 MXU_ROWS = (16, 32, 64, 128, 256, 512)
@@ -307,6 +308,7 @@ def measure(trials: int = 5, progress=None) -> dict:
         single.append(t1)
         out["dma"][nbytes] = {"s_one_at_a_time": t1, f"s_{DMA_INFLIGHT}_inflight": tq, "stream_bw": nbytes / tq}
     latency, _ = line_fit(DMA_SIZES, single)
+    out["latency_intercept"] = latency
     step("vector")
     a = jnp.asarray(1 + 0.01 * rng.standard_normal((VEC_ROWS, VEC_COLS)), jnp.float32)
     t_fma = per_repeat(lambda r: vector_call("fma", r), (a,), *TIMED_REPS["vector"], trials)
@@ -325,8 +327,7 @@ def measure(trials: int = 5, progress=None) -> dict:
 
 # jax `device_kind` -> the chip's name in data/ (hardware.csv `chip`, microbench.csv `system`), for
 # every kind jax knows (jax/_src/pallas/mosaic/tpu_info.py) that data/hardware.csv describes.
-DEVICE_KINDS = {"TPU v5 lite": "tpu-v5e", "TPU v5e": "tpu-v5e", "TPU v5": "tpu-v5p", "TPU v5p": "tpu-v5p",
-                "TPU v6 lite": "tpu-v6e", "TPU v6e": "tpu-v6e", "TPU7x": "tpu-v7"}
+DEVICE_KINDS = {kind: HARDWARE_CHIP[chip] for kind, chip in CHIP_OF_DEVICE_KIND.items() if chip in HARDWARE_CHIP}
 # Unit and how it is measured of each constant `measure` returns (the `unit` and `note` of a new row).
 CONSTANTS = {
     "mxu_push_rows": ("count", f"[16, {MXU_K}] @ [{MXU_K}, {MXU_N}] bf16 from VMEM: time x the chip's bf16 peak / "
@@ -340,6 +341,23 @@ CONSTANTS = {
     "mxu_bf16xfp8_vs_bf16": ("ratio", f"context: a [{DTYPE_ROWS}, K] bf16 x [K, N] float8_e4m3fn matmul's time "
                                       f"over the bf16 one's (the fp8 MXFP4 path's weight push)"),
 }
+
+
+def implausible(res: dict) -> list[str]:
+    """Why a `measure` result is not a measurement of the chip (timing noise larger than the
+    difference of two repeat counts): non-positive times, a stream faster than the datasheet's HBM,
+    a negative latency intercept. [] = plausible; `--write` refuses anything else."""
+    why = [f"dma {n >> 10} KiB: {k} {t:.3g} s <= 0" for n, r in res["dma"].items() for k, t in r.items()
+           if k.startswith("s_") and not t > 0]
+    from mk.hardware import load_chips
+    hbm = load_chips()[res["chip"]].hbm_bw
+    bw = res["constants"]["dma_stream_bw"]
+    if not bw <= 1.05 * hbm:
+        why.append(f"dma_stream_bw {bw:.3g} B/s above the datasheet HBM bandwidth {hbm:.3g}")
+    if res.get("latency_intercept", 0.0) < 0:
+        why.append(f"dma_descriptor_latency intercept {res['latency_intercept']:.3g} s < 0")
+    why += [f"mxu {r}-row matmul {v['s']:.3g} s <= 0" for r, v in res["mxu"].items() if not v["s"] > 0]
+    return why
 
 
 def chip_of_device_kind(kind: str) -> str:

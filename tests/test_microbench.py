@@ -169,3 +169,19 @@ def test_measure_on_a_v5e_uses_the_v5e_peak(monkeypatch):
     monkeypatch.setattr(mb.jax, "devices", lambda: [type("D", (), {"device_kind": "TPU v3"})()])
     with pytest.raises(mb.MicrobenchError, match="device kind 'TPU v3'"):
         mb.measure(trials=1)
+
+
+def test_implausible_timings_are_not_written():
+    """The 2026-12-05 v5e run (docs/tpu-v5e/2026-12-05/microbench-rejected.json): negative
+    differences of repeat counts and a 45 TB/s "stream" are flagged, so `--write` refuses them."""
+    import json
+    from pathlib import Path
+    res = json.loads((Path(__file__).parent.parent / "docs/tpu-v5e/2026-12-05/microbench-rejected.json").read_text())
+    res["dma"] = {int(k): v for k, v in res["dma"].items()}
+    res["mxu"] = {int(k): v for k, v in res["mxu"].items()}
+    why = mb.implausible(res)
+    assert any("above the datasheet HBM bandwidth" in w for w in why) and any("<= 0" in w for w in why)
+    res["dma"] = {n: {"s_one_at_a_time": 1e-6 + n / 7e11, "s_4_inflight": n / 7.9e11, "stream_bw": 7.9e11} for n in res["dma"]}
+    res["constants"] = dict(res["constants"], dma_stream_bw=7.9e11)
+    res["latency_intercept"] = 1e-6
+    assert mb.implausible(res) == []

@@ -60,6 +60,10 @@ def run(args) -> int:
 
     res = mb.measure(args.trials, step)
     bar.close()
+    res["implausible"] = mb.implausible(res)
+    if args.write and res["implausible"]:
+        raise mb.MicrobenchError(f"--write: not writing {args.write}: the timings are not plausible "
+                                 f"({'; '.join(res['implausible'][:3])}); run it again on an idle chip")
     if args.write:
         res["written"] = str(mb.write_microbench_csv(res["constants"], args.write, mb.source_label(res["device_kind"]),
                                                      res["chip"]))
