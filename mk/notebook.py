@@ -404,3 +404,29 @@ def kernel_regions(ev, ops):
         parts.append(r)
     cols = ["step", "plane", "line", "name", "start_ns", "dur_ns", "top"]
     return pd.concat(parts, ignore_index=True)[cols] if parts else pd.DataFrame(columns=cols)
+
+
+REGION_TRACE_FLAGS = ("--xla_enable_custom_call_region_trace=true", "--xla_xprof_register_llo_debug_info=true")
+
+
+def enable_region_trace() -> str:
+    """Make libtpu trace the kernel's `jax.named_scope` regions (Mosaic lowers each to
+    tpu.trace_start / trace_stop; libtpu records them only with `REGION_TRACE_FLAGS`), by adding the
+    flags to LIBTPU_INIT_ARGS. Must run before JAX opens its backend (the first jax.devices(), array
+    or jit call in the process); raises NotebookError otherwise. The instrumentation costs time:
+    step times measured with it on are not the kernel's plain speed. Returns LIBTPU_INIT_ARGS."""
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        raise NotebookError("region tracing must be enabled before JAX opens its backend: set it in the notebook's "
+                            "first cell, before any jax.devices(), array or jit call")
+    args = os.environ.get("LIBTPU_INIT_ARGS", "").split()
+    os.environ["LIBTPU_INIT_ARGS"] = " ".join(args + [f for f in REGION_TRACE_FLAGS if f not in args])
+    return os.environ["LIBTPU_INIT_ARGS"]
+
+
+def run_output_dir(name: str, fallback: str) -> str:
+    """A folder for a notebook's extra outputs (e.g. an XProf trace): <run folder>/name when the
+    notebook runs under `mk notebooks --out DIR` (so it comes back with the run), else `fallback`."""
+    from mk.notebook_runner import FIGURES_ENV
+    figs = os.environ.get(FIGURES_ENV)
+    return os.path.join(os.path.dirname(os.path.abspath(figs)), name) if figs else fallback
