@@ -180,7 +180,7 @@ def export_html(nb_path: Path, html_path: Path):
 def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[str] | None = None,
             html: bool = True, timeout: int = 900, directory: str | os.PathLike | None = None,
             root: str | os.PathLike | None = None, transport: str = "ipc",
-            export: bool | None = None) -> list[dict]:
+            export: bool | None = None, pause: float = 0.0) -> list[dict]:
     """Execute every notebook (of `directory`, default notebooks/) into `out`, each in its own
     kernel process; returns [{notebook, seconds, ok, error}].
 
@@ -188,7 +188,9 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
     kernel's PYTHONPATH and its working directory (default: this repository).
     `transport`: how the kernel talks to the runner, "ipc" (unix sockets) or "tcp".
     `export`: HTML exports (if `html`) and figure files; None: where nbconvert is installed. Without
-    it only the executed notebooks are written (figures named inside them: `render_figures`)."""
+    it only the executed notebooks are written (figures named inside them: `render_figures`).
+    `pause`: seconds to wait between notebooks (on a TPU VM the chip is free again only a moment
+    after the previous kernel process exited)."""
     import papermill as pm
     manager = _kernel_manager(transport)
     if export is None:
@@ -217,6 +219,8 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
             if only and not any(o in nb.name for o in only):
                 continue
             target = out / nb.name
+            if results and pause:
+                time.sleep(pause)
             print(f"[{len(results) + 1}] {nb.name} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             err = None

@@ -19,6 +19,8 @@ def add_parser(subparsers):
     p.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
                    help="kernel <-> runner sockets: ipc (unix sockets, default; the only choice on a TPU VM "
                         "where no TCP socket opens) or tcp")
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="seconds between notebooks (a TPU is free again only a moment after a kernel process exits)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell (default 900)")
     p.add_argument("--render-figures", metavar="DIR",
                    help="instead of running: write DIR/figures/<name>.png for every plotly figure in the "
@@ -72,7 +74,7 @@ def run(args) -> int:
     from mk.notebook_runner import export_available, run_all
     params = {k: _literal(v) for k, v in args.parameter}
     results = run_all(args.out, params, only=args.only, html=not args.no_html, timeout=args.timeout,
-                      transport=args.transport, export=False if args.no_export else None)
+                      transport=args.transport, pause=args.pause, export=False if args.no_export else None)
     for r in results:
         print(f"{r['notebook']:<32} {r['seconds']:7.1f} s  {'ok' if r['ok'] else 'FAILED'}")
     if args.no_export or not export_available():
