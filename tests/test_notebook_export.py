@@ -187,7 +187,7 @@ def test_cli_render_figures_needs_executed_notebooks(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "no executed notebooks" in run.stderr, run.stderr
     run = subprocess.run([sys.executable, "-m", "mk", "notebooks"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "--out DIR is required" in run.stderr, run.stderr
+    assert run.returncode == 2 and "required: --out" in run.stderr, run.stderr
 
 
 def test_unknown_transport_is_refused():

@@ -69,7 +69,7 @@ def run(args) -> int:
             return 2
         return render(args.render_figures)
     if not args.out:
-        print("error: --out DIR is required (or --render-figures DIR)", file=sys.stderr)
+        print("error: the following arguments are required: --out (or --render-figures DIR)", file=sys.stderr)
         return 2
     from mk.notebook_runner import export_available, run_all
     params = {k: _literal(v) for k, v in args.parameter}
