@@ -134,3 +134,62 @@ def test_kernel_is_this_environments_interpreter(tmp_path, monkeypatch):
     assert name != "mk" and name.startswith("mk-") and installed[0]["kernel_name"] == name
     specs[name] = {"spec": {"argv": [sys.executable, "-m", "ipykernel_launcher"]}}
     assert notebook_runner._kernel_name() == name and len(installed) == 1      # found, not installed again
+
+
+NAMED_FIGURE = """import plotly.graph_objects as go
+from mk.notebook_runner import save_figure
+fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
+print("saved:", save_figure(fig, "bars"))
+fig.show()
+go.Figure(go.Scatter(x=[1], y=[1])).show()"""
+
+
+def _one_cell_notebook(src, body, name="01_n.ipynb"):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    p = nbformat.v4.new_code_cell("x = 1")
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [p, nbformat.v4.new_code_cell(body)]
+    src.mkdir(exist_ok=True)
+    nbformat.write(nb, str(src / name))
+
+
+def test_no_export_keeps_named_figures_in_the_notebook_for_later_rendering(tmp_path, monkeypatch):
+    """--no-export (the TPU VM: no browser, maybe no nbconvert): executed notebook only, over TCP
+    here to cover the other transport; each figure's JSON names itself for `render_figures`."""
+    _one_cell_notebook(tmp_path / "src", NAMED_FIGURE)
+    out = tmp_path / "out"
+    monkeypatch.delenv("PLOTLY_RENDERER", raising=False)
+    res = run_all(out, directory=tmp_path / "src", export=False, transport="tcp")
+    assert res[0]["ok"], res
+    assert not (out / "01_n.html").exists() and not (out / "figures").exists()
+    ran = nbformat.read(str(out / "01_n.ipynb"), as_version=4)
+    printed = "".join(o.get("text", "") for c in ran.cells for o in c.get("outputs", []))
+    assert "saved: None" in printed
+    figs = notebook_runner.plotly_figures(out / "01_n.ipynb")
+    assert [n for n, _ in figs] == ["bars", "01_n_cell1_2"]
+    assert figs[0][1]["data"][0]["type"] == "bar"
+    html_outputs = [o for c in ran.cells for o in c.get("outputs", []) if "text/html" in o.get("data", {})]
+    assert not html_outputs, "without export the notebook should not embed plotly.js"
+    if _headless_browser() is None:
+        monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-browser"))
+        monkeypatch.setattr(notebook_runner, "BROWSER_CANDIDATES", ())
+        with pytest.raises(RuntimeError, match="no headless browser"):
+            notebook_runner.render_figures(out)
+        return
+    paths = notebook_runner.render_figures(out)
+    assert [os.path.basename(p) for p in paths] == ["bars.png", "01_n_cell1_2.png"]
+    assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_cli_render_figures_needs_executed_notebooks(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "mk", "notebooks", "--render-figures", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "no executed notebooks" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "mk", "notebooks"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "required: --out" in run.stderr, run.stderr
+
+
+def test_unknown_transport_is_refused():
+    with pytest.raises(ValueError, match="transport must be one of"):
+        notebook_runner._kernel_manager("udp")

@@ -116,3 +116,97 @@ def test_no_inert_output_checks_and_claims_are_asserted(path):
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     assert "NBVAL_CHECK_OUTPUT" not in code
     assert code.count("assert ") >= 3, f"{path.name}: its printed verdicts should be asserted"
+
+
+def test_tpu_default_is_the_chip_sized_model(monkeypatch):
+    """On a TPU backend the notebooks run k3-chip (6 GB bf16: fits a 15.7 GiB v5e twice), not k3-slice."""
+    from mk import notebook
+    from mk.config import get_config
+    monkeypatch.setattr(notebook, "_backend", lambda: "tpu")
+    assert notebook.model_name() == "k3-chip" and notebook.model_config() == get_config("k3-chip")
+    assert notebook.plan_config() == get_config("k3-chip")
+    monkeypatch.setattr(notebook, "_backend", lambda: "cpu")
+    assert notebook.plan_config() == get_config("k3-slice") and notebook.model_name() == "mini"
+    import papermill as pm
+    for path in NBS:
+        defaults = {k: v["default"] for k, v in pm.inspect_notebook(str(path)).items()}
+        assert not [k for k, v in defaults.items() if "k3-slice" in v], \
+            f"{path.name}: a parameter defaults to k3-slice (16.7 GB: does not fit one v5e): {defaults}"
+
+
+XSPACE = '''
+planes { id: 1 name: "/device:TPU:0"
+  lines { id: 1 name: "XLA Modules" timestamp_ns: 1000
+    events { metadata_id: 9 offset_ps: 0 duration_ps: 9000000000 } }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 1000000 duration_ps: 8000000000 }
+    events { metadata_id: 1 offset_ps: 10000000000 duration_ps: 8100000000 } }
+  lines { id: 3 name: "Custom Call Regions" timestamp_ns: 1000
+    events { metadata_id: 2 offset_ps: 2000000 duration_ps: 3000000000 }
+    events { metadata_id: 3 offset_ps: 3000000 duration_ps: 1000000000 }
+    events { metadata_id: 4 offset_ps: 3100000000 duration_ps: 4000000000 }
+    events { metadata_id: 2 offset_ps: 10002000000 duration_ps: 3000000000 } }
+  event_metadata { key: 1 value { id: 1 name: "k3_decode_step.3" } }
+  event_metadata { key: 2 value { id: 2 name: "moe_experts" } }
+  event_metadata { key: 3 value { id: 3 name: "collective_moe_routed" } }
+  event_metadata { key: 4 value { id: 4 name: "lm_head" } }
+  event_metadata { key: 9 value { id: 9 name: "jit_step" } }
+}
+planes { id: 2 name: "/host:CPU" lines { id: 1 name: "python" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 5 } }
+  event_metadata { key: 1 value { id: 1 name: "k3_decode_step" } } }
+'''
+
+
+def test_trace_readers_find_the_kernel_and_its_regions():
+    from jax.profiler import ProfileData
+
+    from mk.notebook import NotebookError, device_events, kernel_ops, kernel_regions
+    ev = device_events(ProfileData.from_text_proto(XSPACE))
+    assert set(ev.plane) == {"/device:TPU:0"}                        # host planes are not device time
+    ops = kernel_ops(ev)
+    assert list(ops.dur_ns) == [8e6, 8.1e6] and set(ops.line) == {"XLA Ops"}
+    reg = kernel_regions(ev, ops)
+    assert list(reg.step) == [0, 0, 0, 1]
+    top = reg[reg.top]
+    assert list(top.name) == ["moe_experts", "lm_head", "moe_experts"]   # the nested collective is not summed twice
+    assert top[top.step == 0].dur_ns.sum() <= ops.dur_ns[0]
+    with pytest.raises(NotebookError, match="no event named 'other_kernel'"):
+        kernel_ops(ev, "other_kernel")
+
+
+@pytest.mark.slow
+def test_kernel_sweep_and_verify_times_run_in_interpret_mode():
+    """The chip's measurement helpers, on mini in interpret mode (times meaningless, plumbing real):
+    weights packed once for two depths, a refused point is a row with its reason."""
+    from mk.notebook import kernel_sweep, load_model, verify_times
+    m = load_model(seed=0)
+    rows = kernel_sweep(m.params, m.cfg, [{"depth": 0}, {"depth": 2}, {"depth": 1, "tile": 100}], steps=1, warmup=1)
+    assert [r["depth"] for r in rows[:2]] == [0, 2] and all(r["error"] is None and r["median_ms"] > 0 for r in rows[:2])
+    assert rows[0]["bytes_per_step"] > 0 and rows[0]["gb_s"] > 0
+    assert rows[2]["error"].startswith("plan refuses") and "multiples of 128" in rows[2]["error"]
+    v = verify_times(m.params, m.cfg, [0, 2], steps=1, warmup=1)
+    assert [r["rows"] for r in v] == [1, 3] and all(r["error"] is None and r["median_ms"] > 0 for r in v), v
+    assert v[1]["bytes_per_step"] >= v[0]["bytes_per_step"]
+
+
+# asserts a review found true by construction (a figure checked against the formula that made it)
+TAUTOLOGIES = {
+    "01_roofline.ipynb": ['comp["MB"].sum() * 1e6, r1.total_bytes'],
+    "02_prefetch_tuning.ipynb": ['assert best["VMEM planned MiB"] <= best["VMEM limit MiB"]'],
+    "04_throughput_sweep.ipynb": ['pred["seed tok/s"] / pred["published tok/s"]', 'assert long["step ms"] > short["step ms"]'],
+    "05_speculative.ipynb": ['np.allclose(tok / g["acceptance length"]', 'assert 1 <= res["mean_acceptance"] <= k + 1'],
+}
+
+
+@pytest.mark.parametrize("path", NBS, ids=lambda p: p.name)
+def test_measures_on_a_tpu_and_checks_against_independent_figures(path):
+    """Every notebook has a TPU branch (measured figures on the chip), says on CPU that its times are
+    no speed claim (those that time anything), and none of the by-construction asserts came back."""
+    nb = nbformat.read(str(path), as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "on_tpu()" in code, f"{path.name}: no TPU branch"
+    if not path.name.startswith("01"):
+        assert "SPEED_CAVEAT" in code and "backend_label()" in code, f"{path.name}: CPU times must be labelled"
+    for t in TAUTOLOGIES.get(path.name, []):
+        assert t not in code, f"{path.name}: an assert true by construction is back: {t}"
