@@ -91,23 +91,14 @@ def plan_config(config: "str | K3Config | None" = None, checkpoint: "str | os.Pa
 
 def init_params(cfg: K3Config, seed: int = 0) -> tuple[dict, str]:
     """Random weights for `cfg` (bf16 experts) and a description: THE one place notebooks make them.
-
-    LEAD: mk.params.init takes ~100 s for k3-chip's 3.0 B parameters on the TPU host, once per
-    notebook process. When the fast initializer lands in mk/params.py, switch this call (and its
-    description) to it, e.g. `pm.init_fast(cfg, seed)`."""
+    `mk.params.init` draws configs above `DEVICE_INIT_ABOVE` parameters (k3-chip) on the device."""
     from mk import params as pm
 
-    return pm.init(cfg, seed), f"random weights (mk.params.init, seed {seed})"
+    where = "on the device" if pm.num_params(cfg) > pm.DEVICE_INIT_ABOVE else "host numpy"
+    return pm.init(cfg, seed), f"random weights (mk.params.init, seed {seed}, {where})"
 
 
-@dataclass(frozen=True)
-class Model:
-    name: str             # label for titles (`model_name`)
-    cfg: K3Config
-    params: dict          # the `mk.params` tree (bf16 experts), jax arrays
-    source: str           # where the weights came from, for the notebook's printout
-
-    def __iter__(self):   # cfg, params = load_model(...)
+def __iter__(self):   # cfg, params = load_model(...)
         return iter((self.cfg, self.params))
 
 
@@ -175,8 +166,10 @@ def chip_roof(chip: str) -> tuple[float, float]:
 
 
 def chip_machine(chip: str):
-    """The simulator's machine (`mk.sim.Machine`) for one device of `chip`: HBM bandwidth (also the
-    DMA stream rate) and MXU peaks from the chip's datasheet rows in data/hardware.csv; every other
+    """The simulator's machine (`mk.sim.Machine`) for one device of `chip`: the system of that name
+    in data/systems.csv where there is one (`tpu-v5e`: measured constants, `mk simulate --system`);
+    else HBM bandwidth (also the DMA stream rate) and MXU peaks from the chip's datasheet rows in
+    data/hardware.csv, and every other
     rate (DMA latency, MXU push rows, vector rates, per-step overhead, routing) is the TPU v7
     system's (`tpu-v7x16`, data/microbench.csv), since data/ has no measurement for this chip. Its
     `name` says so: a modelled figure from it is labelled with that name."""
@@ -184,6 +177,8 @@ def chip_machine(chip: str):
 
     from mk import hardware, sim
     from mk.hardware import load_chips
+    if chip in {s.system for s in hardware.load_systems()}:   # a system of its own: its measured constants
+        return sim.Machine.from_system(hardware.get_system(chip))
     c = load_chips()[chip]
     base = sim.Machine.from_system(hardware.get_system("tpu-v7x16"))
     flops = {dt: c.flops(dt) / c.cores_per_chip for dt in ("bf16", "fp8") if c.flops(dt)}
