@@ -730,7 +730,7 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
             "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel, "chip": plan.chip,
             "mk_plan": s.setup.mk_plan, "all_reduce": plan.options.all_reduce,
             "mxfp4_matmul": plan.options.mxfp4_matmul,
-            "dequant_ops_per_weight": schedule.dequant_ops(plan.options.mxfp4_matmul, plan.chip)
+            "dequant_ops_per_weight": schedule.dequant_ops(plan.options.mxfp4_matmul, plan.mxfp4_unpack)
             if plan.experts == "mxfp4" else 0,
             "choices_step_s": {"/".join(c): t for c, (_, t) in step.items()},
             "all_reduce_step_s": {a: min(t for c, (_, t) in step.items() if c[0] == a) for a in choices["all_reduce"]},
