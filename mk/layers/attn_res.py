@@ -39,7 +39,15 @@ def mix_candidates(cands: Sequence[jax.Array], w: jax.Array, eps: float,
     denom = e[0]
     for x in e[1:]:
         denom = denom + x
-    out = (e[0] / denom) * cands[0]
+    # The sum starts from an fp32 zero that XLA cannot fold (denom >= 1, so min(denom, 0) = +0;
+    # not a product), so every add below meets exactly one product. XLA:CPU contracts `a + w * v`
+    # into an FMA (LLVM fp-contract fast), and in `w0 * v0 + w1 * v1` LLVM picks WHICH product to
+    # fuse from the generated code: in the interpreted kernel and most reference graphs the first
+    # (fma(w0, v0, w1 * v1)), but where v0 = b_0 is read through the bitcast of the embedding
+    # gather (batch 8 = the row tile, so the reference pads nothing and fuses the gather's
+    # [8, 1, d] output straight into the mix) the second: a 1-bf16-ulp difference in x at mini
+    # B = 8, layer 6. From a zero, the chain is fma(w_j, v_j, acc) in candidate order everywhere.
+    out = jnp.minimum(denom, 0.0) + (e[0] / denom) * cands[0]
     for x, v in zip(e[1:], cands[1:]):
         out = out + (x / denom) * v
     return bf(out)
