@@ -1,4 +1,4 @@
-"""mk.checkpoint / mk.synth / `python -m mk synth|logits|load`: round trips and bad input.
+"""mk.io.checkpoint / mk.io.synth / `python -m mk synth|logits|load`: round trips and bad input.
 
 One mini-config synthetic checkpoint is written per session; every bad-input case is a clone of
 it (symlinks, with only the damaged file copied) so each test stays fast.
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from mk import checkpoint as ck
-from mk import synth
+from mk.io import checkpoint as ck
+from mk.io import synth
 from mk.__main__ import main
-from mk.config import ConfigError, get_config
-from mk.params import shapes
+from mk.model.config import ConfigError, get_config
+from mk.model.params import shapes
 
 CFG = get_config("mini")
 SEED = 0
@@ -73,7 +73,7 @@ def test_write_checkpoint_returns_what_it_wrote(ckpt, expected):
 
 
 def test_quantized_params_only_touch_experts(expected):
-    init = __import__("mk.params", fromlist=["init"]).init(CFG, SEED)
+    init = __import__("mk.model.params", fromlist=["init"]).init(CFG, SEED)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(init), jax.tree.leaves(expected)):
         key = jax.tree_util.keystr(path)
         if any(w in key for w in ("'w1'", "'w2'", "'w3'")):
@@ -116,7 +116,8 @@ def test_lazy_params_read_the_bits_load_returns(ckpt, experts):
 def test_kernel_weights_packed_from_lazy_params_are_the_loaded_trees(ckpt):
     """pack_weights reads the same bits slot by slot as from the loaded tree, into 64-byte
     aligned arrays (handed to JAX without a copy on CPU)."""
-    from mk.plan import make_plan, pack_weights
+    from mk.kernel.plan import make_plan
+    from mk.kernel.packing import pack_weights
 
     plan = make_plan(CFG, 1, experts="mxfp4")
     want = pack_weights(plan, ck.load(ckpt[0], experts="mxfp4", progress=False, to_jax=False))
@@ -170,7 +171,7 @@ def test_orientation_matches_params(ckpt, expected):
 
 # ---- CLI ----------------------------------------------------------------------------------------------
 def test_logits_cli_matches_reference_bit_for_bit(ckpt, expected, tmp_path):
-    from mk import reference
+    from mk.model import reference
     out = tmp_path / "logits.npy"
     toks = ",".join(map(str, TOKENS))
     assert main(["logits", "--checkpoint", ckpt[0], "--tokens", toks, "--out", str(out), "--no-progress"]) == 0
@@ -213,7 +214,7 @@ def test_kernel_backend_dispatches_to_mk_kernel(ckpt, tmp_path, monkeypatch):
         calls.append((cfg, list(tokens), sorted(params), options.mxfp4_matmul))
         return np.zeros((len(tokens), cfg.vocab), np.float32)
 
-    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(teacher_forced_logits=fake))
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace(teacher_forced_logits=fake))
     out = tmp_path / "l.npy"
     assert main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(out),
                  "--backend", "kernel", "--no-progress", "--mxfp4-matmul", "fp8"]) == 0
@@ -223,7 +224,7 @@ def test_kernel_backend_dispatches_to_mk_kernel(ckpt, tmp_path, monkeypatch):
 def test_logits_bench_prints_peak_rss_against_the_checkpoint(ckpt, tmp_path, monkeypatch, capsys):
     """`mk logits --bench --json`: the process's peak RSS and the checkpoint's bytes on disk."""
     import types
-    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace(
         teacher_forced_logits=lambda params, cfg, tokens, ctx=None, options=None: np.zeros((len(tokens), cfg.vocab),
                                                                                             np.float32)))
     capsys.readouterr()
@@ -236,7 +237,7 @@ def test_logits_bench_prints_peak_rss_against_the_checkpoint(ckpt, tmp_path, mon
 
 
 def test_kernel_backend_missing_is_a_clear_error(ckpt, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "mk.kernel", None)  # import mk.kernel -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", None)  # import mk.kernel -> ModuleNotFoundError
     rc = main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(tmp_path / "l.npy"),
                "--backend", "kernel", "--no-progress"])
     err = capsys.readouterr().err
@@ -423,7 +424,7 @@ def test_shapes_and_dtypes_checked_before_any_read(ckpt, tmp_path, monkeypatch):
 
 def test_shard_streamer_reads_in_order_and_stays_within_lookahead(tmp_path):
     import time
-    from mk.checkpoint import ShardStreamer
+    from mk.io.checkpoint import ShardStreamer
 
     names = ["a.safetensors", "b.safetensors", "c.safetensors"]
     for n in names:

@@ -1,6 +1,6 @@
-"""mk.checkpoint.load_sharded on 8 virtual CPU devices (mesh ep 4 x tp 2, mini-tp8).
+"""mk.io.checkpoint.load_sharded on 8 virtual CPU devices (mesh ep 4 x tp 2, mini-tp8).
 
-Every leaf equals the unsharded `load` bit for bit and carries `mk.sharding`'s spec; every
+Every leaf equals the unsharded `load` bit for bit and carries `mk.model.sharding`'s spec; every
 device's shard holds its block; the process reads each checkpoint element once (no whole tensor
 where a block suffices); bad input gives a `CheckpointError` naming the file and the process.
 """
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mk import checkpoint as ck
-from mk import reference_sharded as rs
-from mk import synth
-from mk.config import get_config
-from mk.sharding import param_spec
+from mk.io import checkpoint as ck
+from mk.model import reference_sharded as rs
+from mk.io import synth
+from mk.model.config import get_config
+from mk.model.sharding import param_spec
 
 CFG = get_config("mini-tp8")
 
