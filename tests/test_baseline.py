@@ -7,7 +7,7 @@ import pytest
 from mk.perf import baseline
 from mk.model import reference
 from mk.kernel.check import CACHE_TOL, LOGIT_TOL, LOGIT_SCALE
-from mk.io.checkpoint import dequantize_experts, dequantize_mxfp4
+from mk.io.convert import dequantize_experts, dequantize_mxfp4
 from mk.model.config import get_config
 from mk.model.params import init
 from mk.io.synth import mxfp4_params

@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mk.io import checkpoint as ck
+from mk.io import schema, convert
 from mk.io import synth
 from mk.__main__ import main
 from mk.model.config import ConfigError, get_config
@@ -89,7 +90,7 @@ def test_mxfp4_mode_dequantizes_to_the_same(ckpt, expected):
     for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(abstract)):
         assert x.shape == s.shape and x.dtype == s.dtype
     for w in synth.EXPERT_FAMILIES:
-        got = ck.dequantize_mxfp4(tree["moe"][w]["packed"], tree["moe"][w]["scale"])
+        got = convert.dequantize_mxfp4(tree["moe"][w]["packed"], tree["moe"][w]["scale"])
         assert _bits(got) == _bits(expected["moe"][w]), w
     rest = {k: v for k, v in tree.items() if k != "moe"}
     assert_same_tree(rest, {k: v for k, v in expected.items() if k != "moe"})
@@ -138,15 +139,15 @@ def test_abstract_params_from_config_only(ckpt, tmp_path):
 
 def test_several_shards_and_spec_names(ckpt):
     path = ckpt[0]
-    index = json.load(open(os.path.join(path, ck.INDEX_FILE)))
+    index = json.load(open(os.path.join(path, schema.INDEX_FILE)))
     shards = set(index["weight_map"].values())
     assert len(shards) > 1
     for s in shards:
         assert os.path.getsize(os.path.join(path, s)) <= (4 << 20) + (1 << 16)
     names = set(index["weight_map"])
-    assert ck.LM_HEAD in names and "language_model.model.embed_tokens.weight" in names
-    assert all(n == ck.LM_HEAD or n.startswith(ck.PREFIX) for n in names)
-    assert names == {s.name for e in ck.layout(CFG) for s in e.sources}
+    assert schema.LM_HEAD in names and "language_model.model.embed_tokens.weight" in names
+    assert all(n == schema.LM_HEAD or n.startswith(schema.PREFIX) for n in names)
+    assert names == {s.name for e in schema.layout(CFG) for s in e.sources}
     with ck.Checkpoint(path) as c:
         assert c.tensor_info(KDA_Q) == ((CFG.attn_width, CFG.dim), "BF16")
         assert c.tensor_info(KDA_Q.replace("q_proj", "q_conv1d"))[1] == "F32"
@@ -258,7 +259,7 @@ def clone(src, dst, copy=()):
 
 
 def shard_of(path, name):
-    return json.load(open(os.path.join(path, ck.INDEX_FILE)))["weight_map"][name]
+    return json.load(open(os.path.join(path, schema.INDEX_FILE)))["weight_map"][name]
 
 
 def rewrite_shard(src, dst, name, fn):
@@ -283,61 +284,61 @@ def edit_json(path, file, fn):
 def _no_config(src, dst):
     path = clone(src, dst)
     os.remove(os.path.join(path, "config.json"))
-    return path, ck.MissingFileError, ["config.json"]
+    return path, schema.MissingFileError, ["config.json"]
 
 
 def _unsupported(src, dst):
     path = clone(src, dst, copy=["config.json"])
     edit_json(path, "config.json", lambda d: d["text_config"].update(hidden_act="gelu"))
-    return path, ck.CheckpointConfigError, ["config.json", "hidden_act"]
+    return path, schema.CheckpointConfigError, ["config.json", "hidden_act"]
 
 
 def _no_index(src, dst):
     path = clone(src, dst)
-    os.remove(os.path.join(path, ck.INDEX_FILE))
-    return path, ck.MissingFileError, [ck.INDEX_FILE]
+    os.remove(os.path.join(path, schema.INDEX_FILE))
+    return path, schema.MissingFileError, [schema.INDEX_FILE]
 
 
 def _index_not_json(src, dst):
     path = clone(src, dst)
-    os.remove(os.path.join(path, ck.INDEX_FILE))
-    with open(os.path.join(path, ck.INDEX_FILE), "w") as f:
+    os.remove(os.path.join(path, schema.INDEX_FILE))
+    with open(os.path.join(path, schema.INDEX_FILE), "w") as f:
         f.write('{"weight_map": {')
-    return path, ck.IndexFormatError, [ck.INDEX_FILE, "JSON"]
+    return path, schema.IndexFormatError, [schema.INDEX_FILE, "JSON"]
 
 
 def _index_no_weight_map(src, dst):
-    path = clone(src, dst, copy=[ck.INDEX_FILE])
-    edit_json(path, ck.INDEX_FILE, lambda d: d.pop("weight_map"))
-    return path, ck.IndexFormatError, [ck.INDEX_FILE, "weight_map"]
+    path = clone(src, dst, copy=[schema.INDEX_FILE])
+    edit_json(path, schema.INDEX_FILE, lambda d: d.pop("weight_map"))
+    return path, schema.IndexFormatError, [schema.INDEX_FILE, "weight_map"]
 
 
 def _shard_missing(src, dst):
     shard = shard_of(src, KDA_Q)
     path = clone(src, dst)
     os.remove(os.path.join(path, shard))
-    return path, ck.MissingShardError, [shard, "language_model.model."]
+    return path, schema.MissingShardError, [shard, "language_model.model."]
 
 
 def _not_in_index(src, dst):
-    path = clone(src, dst, copy=[ck.INDEX_FILE])
-    edit_json(path, ck.INDEX_FILE, lambda d: d["weight_map"].pop(KDA_Q))
-    return path, ck.MissingTensorError, [ck.INDEX_FILE, KDA_Q]
+    path = clone(src, dst, copy=[schema.INDEX_FILE])
+    edit_json(path, schema.INDEX_FILE, lambda d: d["weight_map"].pop(KDA_Q))
+    return path, schema.MissingTensorError, [schema.INDEX_FILE, KDA_Q]
 
 
 def _not_in_shard(src, dst):
     path, shard = rewrite_shard(src, dst, KDA_Q, lambda t: t.pop(KDA_Q))
-    return path, ck.MissingTensorError, [shard, KDA_Q]
+    return path, schema.MissingTensorError, [shard, KDA_Q]
 
 
 def _wrong_shape(src, dst):
     path, shard = rewrite_shard(src, dst, KDA_Q, lambda t: t.update({KDA_Q: np.ascontiguousarray(t[KDA_Q][:-1])}))
-    return path, ck.TensorShapeError, [shard, KDA_Q, "shape"]
+    return path, schema.TensorShapeError, [shard, KDA_Q, "shape"]
 
 
 def _wrong_dtype(src, dst):
     path, shard = rewrite_shard(src, dst, NORM, lambda t: t.update({NORM: t[NORM].astype(np.float32)}))
-    return path, ck.TensorDtypeError, [shard, NORM, "F32", "BF16"]
+    return path, schema.TensorDtypeError, [shard, NORM, "F32", "BF16"]
 
 
 def _truncated(src, dst):
@@ -345,7 +346,7 @@ def _truncated(src, dst):
     path = clone(src, dst, copy=[shard])
     f = os.path.join(path, shard)
     os.truncate(f, os.path.getsize(f) - 1000)
-    return path, ck.TruncatedShardError, [shard, "truncated"]
+    return path, schema.TruncatedShardError, [shard, "truncated"]
 
 
 def _bad_header(src, dst):
@@ -354,7 +355,7 @@ def _bad_header(src, dst):
     with open(os.path.join(path, shard), "r+b") as f:
         f.seek(8)
         f.write(b"#garbage")  # the JSON header starts at byte 8
-    return path, ck.CorruptHeaderError, [shard, "header"]
+    return path, schema.CorruptHeaderError, [shard, "header"]
 
 
 def _scale(value):
@@ -364,7 +365,7 @@ def _scale(value):
             s[3, 1] = value
             t[SCALE] = s
         path, shard = rewrite_shard(src, dst, SCALE, damage)
-        return path, ck.ScaleByteError, [shard, SCALE, f"byte {value}", "[3, 1]"]
+        return path, schema.ScaleByteError, [shard, SCALE, f"byte {value}", "[3, 1]"]
     make.__name__ = f"_scale_{value}"
     return make
 
@@ -380,7 +381,7 @@ def test_bad_input_raises_named_checkpoint_error(case, ckpt, tmp_path, capsys):
     for experts in ("bf16", "mxfp4"):
         with pytest.raises(err) as info:
             ck.load(path, experts=experts, progress=False)
-        assert isinstance(info.value, ck.CheckpointError)
+        assert isinstance(info.value, schema.CheckpointError)
         msg = str(info.value)
         for w in words:
             assert w in msg, (w, msg)
@@ -412,12 +413,12 @@ def test_bad_checkpoint_in_a_real_process_prints_one_line(ckpt, tmp_path):
 
 def test_shapes_and_dtypes_checked_before_any_read(ckpt, tmp_path, monkeypatch):
     """A bad tensor late in the file order is reported before any tensor data is read."""
-    path, _ = rewrite_shard(ckpt[0], tmp_path / "bad", ck.LM_HEAD,
-                            lambda t: t.update({ck.LM_HEAD: t[ck.LM_HEAD].astype(np.float32)}))
+    path, _ = rewrite_shard(ckpt[0], tmp_path / "bad", schema.LM_HEAD,
+                            lambda t: t.update({schema.LM_HEAD: t[schema.LM_HEAD].astype(np.float32)}))
     reads = []
     orig = ck.Checkpoint.read
     monkeypatch.setattr(ck.Checkpoint, "read", lambda self, *a, **k: reads.append(a) or orig(self, *a, **k))
-    with pytest.raises(ck.TensorDtypeError):
+    with pytest.raises(schema.TensorDtypeError):
         ck.load(path, progress=False)
     assert reads == []
 

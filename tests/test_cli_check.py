@@ -72,7 +72,7 @@ def fake_kernel(monkeypatch):
     poison = {}
 
     def make_step_fn(params, cfg, batch, *, ctx, interpret=None, **kw):
-        from mk.io.checkpoint import dequantize_experts
+        from mk.io.convert import dequantize_experts
         calls = {"n": 0}
         params = dequantize_experts(params)          # `mk check` hands the kernel packed MXFP4 experts
 

@@ -171,7 +171,7 @@ def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():
     packed tiles (arbitrary scale bytes per group) dequantize to exactly the checkpoint's weights
     laid out in the gathered latent layout, zeros elsewhere. K3 on 32 devices (112 per rank) plans."""
     from mk.io import synth
-    from mk.io.checkpoint import dequantize_mxfp4
+    from mk.io.convert import dequantize_mxfp4
     from mk.model.sharding import default_layout, local_params
     cfg = get_config("mini-tp8").replace(latent=448)
     lay = default_layout(cfg, 8)

@@ -335,13 +335,13 @@ def test_kernel_on_checkpoint_weights(tmp_path):
     """`mk.io.synth` writes a mini checkpoint (MXFP4 experts), `mk.io.checkpoint` loads it with the
     experts packed (`experts="mxfp4"`); the kernel streams them packed and dequantizes them in
     VMEM, the reference runs on the loader's bf16 dequantization of the same bytes."""
-    from mk.io import checkpoint, synth
+    from mk.io import checkpoint, convert, synth
 
     cfg = get_config("mini")
     written = synth.write_checkpoint(cfg, tmp_path, seed=3)
     loaded_cfg, packed = checkpoint.load_with_config(tmp_path, progress=False, experts="mxfp4")
     assert loaded_cfg == cfg and set(packed["moe"]["w1"]) == {"packed", "scale"}
-    params = checkpoint.dequantize_experts(packed)
+    params = convert.dequantize_experts(packed)
     np.testing.assert_array_equal(np.asarray(params["moe"]["w1"], np.float32),
                                   np.asarray(written["moe"]["w1"], np.float32))
     step_fn = make_step_fn(packed, cfg, 2, ctx=CTX, interpret=interpret_params(detect_races=True))

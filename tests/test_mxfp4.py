@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mk.io.checkpoint import dequantize_mxfp4
+from mk.io.convert import dequantize_mxfp4
 from mk.io.synth import dequantize_reference, quantize_mxfp4
 
 BF16 = ml_dtypes.bfloat16
@@ -98,7 +98,7 @@ def test_zero_group_gets_valid_scale():
 
 def test_loader_fast_path_for_big_matrices_is_exact():
     """The loader's XLA path (matrices >= 256 KiB packed) agrees with the plain path bit for bit."""
-    from mk.io.checkpoint import _dequant_into, _JAX_MIN_BYTES
+    from mk.io.convert import _dequant_into, _JAX_MIN_BYTES
     rng = np.random.default_rng(4)
     n, half = 512, 512  # K = 1024
     assert n * half >= _JAX_MIN_BYTES // 4

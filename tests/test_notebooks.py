@@ -79,7 +79,7 @@ def test_notebook_model_defaults_to_mini_through_a_synthetic_checkpoint():
 
 def test_notebook_model_from_a_checkpoint_dir(tmp_path):
     from mk.io import synth
-    from mk.io.checkpoint import CheckpointError
+    from mk.io.schema import CheckpointError
     from mk.model.config import get_config
     from mk.notebooks.helpers import load_model, model_config, model_name
 

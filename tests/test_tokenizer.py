@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from mk.io import synth
-from mk.io.checkpoint import CheckpointError, MissingFileError, TokenizerError
+from mk.io.schema import CheckpointError, MissingFileError, TokenizerError
 from mk.io.tokenizer import ENCODING_NAME, Tokenizer, load_encoding, read_pat_str
 
 VOCAB = 2048  # the mini config

@@ -1,7 +1,8 @@
 """The io layer: the model's files on disk.
 
-`checkpoint` (reading Hugging Face-style checkpoints: format, sources, MXFP4 dequantization, lazy
-parameters), `synth` (writing synthetic checkpoints), `tokenizer` (the checkpoint's tokenizer).
+`schema` (a checkpoint's files, its errors and the tensor <-> parameter-tree table), `convert` (MXFP4
+dequantization, fast transposes, aligned host buffers), `checkpoint` (reading: validation, streaming,
+lazy and sharded parameters), `synth` (writing synthetic checkpoints), `tokenizer` (the checkpoint's tokenizer).
 
 May import `mk.errors` and `mk.model`; never `mk.kernel`, `mk.perf`, `mk.notebooks` or `mk.cli`.
 """

@@ -24,7 +24,8 @@ from collections import Counter
 import ml_dtypes
 import numpy as np
 
-from mk.io.checkpoint import BF16, CONFIG_FILE, INDEX_FILE, _NP_DTYPES, Entry, _transpose_into, layout
+from mk.io.schema import BF16, CONFIG_FILE, INDEX_FILE, _NP_DTYPES, Entry, layout
+from mk.io.convert import _transpose_into
 from mk.model.config import MX_GROUP
 from mk.model.config import K3Config
 
@@ -61,7 +62,7 @@ def quantize_mxfp4(w) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_reference(packed, scale) -> np.ndarray:
     """The plain spec-2.3 dequantization via ml_dtypes' float4_e2m1fn / float8_e8m0fnu types:
     packed [..., N, K/2], scale [..., N, K/32] -> bf16 [..., K, N]. (The loader's fast table path,
-    `mk.io.checkpoint.dequantize_mxfp4`, must agree with it bit for bit.)"""
+    `mk.io.convert.dequantize_mxfp4`, must agree with it bit for bit.)"""
     packed, scale = np.asarray(packed, np.uint8), np.asarray(scale, np.uint8)
     codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
     vals = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)

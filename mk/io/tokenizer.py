@@ -21,7 +21,7 @@ import json
 import os
 from typing import Iterable
 
-from mk.io.checkpoint import MissingFileError, TokenizerError
+from mk.io.schema import MissingFileError, TokenizerError
 
 ENCODING_NAME = "kimi-k3-checkpoint"
 NUM_SPECIAL = 256

@@ -199,7 +199,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
 
     experts: the kernel's routed-expert format. "mxfp4": packed E2M1 + E8M0 (params from
     `mk.io.checkpoint.load(..., experts="mxfp4")`, or `mk.model.params.init` quantized as `mk synth` writes
-    it); the reference runs on their dequantization (`mk.io.checkpoint.dequantize_experts`), the
+    it); the reference runs on their dequantization (`mk.io.convert.dequantize_experts`), the
     oracle. "bf16": bf16 expert tiles. Default: the format `params` holds (bf16 for init params).
     all_reduce: the kernel's all-reduce rounds (`mk.kernel.plan.ScheduleOptions.all_reduce`).
     mxfp4_matmul: how MXFP4 experts meet the MXU (`ScheduleOptions.mxfp4_matmul`); the reference
@@ -221,7 +221,7 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     from mk.kernel.step import make_step_fn
     from jax.experimental.pallas import tpu as pltpu
 
-    from mk.io.checkpoint import dequantize_experts
+    from mk.io.convert import dequantize_experts
     from mk.kernel.step import expert_k_chunk, experts_format
 
     params = params if params is not None else params_mod.init(cfg, seed)

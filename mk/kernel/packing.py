@@ -83,7 +83,7 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
         raise PlanError(f"rank {rank} outside the plan's {plan.devices} devices")
     if not plan.layout.single:
         params = local_params(params, plan.layout, rank)
-    from mk.io.checkpoint import aligned_empty
+    from mk.io.convert import aligned_empty
 
     # every matrix is tiled straight into its rows of the final array (no list of float32 tiles)
     tiles = aligned_empty((plan.dense_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
@@ -107,7 +107,7 @@ def _expert_family(params: dict, key: str):
     """params["moe"][key] as bf16-valued [n_moe, E, K, N] (an MXFP4 leaf is dequantized)."""
     w = params["moe"][key]
     if isinstance(w, dict):
-        from mk.io.checkpoint import dequantize_mxfp4
+        from mk.io.convert import dequantize_mxfp4
         return dequantize_mxfp4(w["packed"], w["scale"])
     return w
 
@@ -216,7 +216,7 @@ def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
     fe = cfg.expert_hidden // plan.layout.tp_expert
     N, lb, per, offs = plan.devices, plan.latent_block, cfg.latent // plan.devices, plan.latent_offsets
     T = plan.expert_tiles
-    from mk.io.checkpoint import aligned_empty
+    from mk.io.convert import aligned_empty
 
     codes_out = aligned_empty((cfg.n_moe, E, T, gu.code_rows, tn), np.int32)
     scales_out = aligned_empty((cfg.n_moe, E, T, gu.scale_rows, tn), np.int32)
@@ -262,7 +262,7 @@ def pack_vectors(plan: Plan, params: dict, rank: int = 0) -> np.ndarray:
     """Rank's per-layer vector table [L + 1, rows, width] f32 (`params`: its share)."""
     cfg = plan.config
     rows = vector_rows(cfg)
-    from mk.io.checkpoint import aligned_empty
+    from mk.io.convert import aligned_empty
 
     v = aligned_empty((cfg.layers + 1, len(rows), plan.vector_width), np.float32)   # zero-copy hand-off to JAX
     v[...] = 0

@@ -90,7 +90,7 @@ def dequantize(packed: jax.Array, scale: jax.Array) -> jax.Array:
 
     packed u8 [..., N, K/2] (element 2j in the low nibble), scale u8 [..., N, K/32] (E8M0 bytes
     1..254) -> bf16 [..., N, K] = E2M1 value * 2^(scale - 127), exactly as
-    `mk.io.checkpoint.dequantize_mxfp4(..., transpose=False)` (integer ops, one fp32 product, one
+    `mk.io.convert.dequantize_mxfp4(..., transpose=False)` (integer ops, one fp32 product, one
     rounding; a subnormal result, 0.5 * 2^-126 at scale byte 1, is flushed to zero where XLA
     flushes denormals, as on TPU). An E2M1 code c = s|e e|m is (-1)^s * halves / 2 with halves = m (e = 0) or
     (2 + m) << (e - 1)."""
