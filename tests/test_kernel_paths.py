@@ -311,7 +311,7 @@ def test_each_distinct_expert_fetched_once(mixed_run):
 
 @pytest.mark.slow
 def test_runtime_dma_order_is_the_plans_schedule(mixed_run):
-    """The tiles the kernel issued, in its runtime order, are the DMA entries of `Plan.schedule()`
+    """The tiles the kernel issued, in its runtime order, are the DMA entries of `schedule(plan)`
     for the routing that happened: the list `mk.perf.sim` replays is the list the kernel executes."""
     plan = mixed_run["step_fn"].plan
     routing = mixed_run["routing"]

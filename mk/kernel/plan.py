@@ -262,7 +262,7 @@ class LayerStream:
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ScheduleOptions:
-    """The choices that turn the same matrices into a schedule (`Plan.schedule`). `MK` is what mk's
+    """The choices that turn the same matrices into a schedule (`mk.kernel.schedule.schedule`). `MK` is what mk's
     kernel runs; `SEED` the seed's K3 kernel (spec 3.4-3.8), replayed by the simulator as another
     point of the same space; `CONVENTIONAL` one kernel per op (a GPU serving stack, `mk.kernel.conventional`).
 

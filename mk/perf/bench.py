@@ -11,7 +11,7 @@ each timed to `jax.block_until_ready`.
 Bytes a step must read (`step_bytes`): every weight but the embedding table and the routed experts
 (plus the B embedding rows), the distinct routed experts of the step in their storage format
 (bf16: 2 bytes per weight, MXFP4: 17/32), and the state the plan's phases read and write (KDA
-states, MLA caches: `Plan.schedule`). Distinct experts per MoE layer are counted from the XLA
+states, MLA caches: `mk.kernel.schedule.schedule`). Distinct experts per MoE layer are counted from the XLA
 step's routing of the very tokens timed (the reference's function, `tests/test_baseline.py`),
 averaged over the timed steps; without "xla" among the impls, the plan's expectation for
 independent uniform routing (`Plan.expected_distinct_experts`). `plan_weight_bytes` is the

@@ -2,7 +2,7 @@
 
 `roofline(cfg, batch, ...)` takes the plan behind a system's published figure (`mk.perf.sim.seed_plan`:
 the seed's K3 kernel on the TPU, one kernel per op on the GPU; or any `mk.kernel.plan.Plan`) and sums its
-own entries (`Plan.schedule()`, the list the simulator replays), per decode step and per device:
+own entries (`mk.kernel.schedule.schedule(plan)`, the list the simulator replays), per decode step and per device:
 
 - weight bytes by destination (KDA, MLA, MoE router / latent / shared / routed experts, dense MLP
   of layer 0, LM head), with the routed experts counted as the expected number of distinct experts

@@ -1,6 +1,6 @@
 """A small deterministic discrete-event simulation of one decode step, replaying a `mk.kernel.plan.Plan`.
 
-The simulator reads nothing but a plan's entries (`Plan.schedule()`: weight DMAs in issue order,
+The simulator reads nothing but a plan's entries (`mk.kernel.schedule.schedule(plan)`: weight DMAs in issue order,
 phases in execution order) and a `Machine` (one device's rates, each from `data/` with a source,
 `mk.perf.hardware.System`). mk's kernel plan (`mk.kernel.plan.MK`), the seed's K3 kernel (`mk.kernel.plan.SEED`,
 the same plan type with the seed's options) and a GPU serving stack's one-kernel-per-op step

@@ -3,7 +3,7 @@ trace viewer, next to a real `jax.profiler` trace.
 
 One process per simulated step; one track (thread) per engine of the modelled device:
 
-    core (phase)     the phase the core is in, waits included (every entry of `Plan.schedule()`)
+    core (phase)     the phase the core is in, waits included (every entry of `mk.kernel.schedule.schedule(plan)`)
     MXU              matmul work (per unit: one weight tile or matrix)
     vector unit      vector phases and in-VMEM dequantization
     DMA queue #i     weight / expert / cache DMAs and write-backs, from first byte to last (transfers
