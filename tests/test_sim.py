@@ -439,7 +439,7 @@ def test_cli_table_sensitivity_and_errors(capsys):
 K3_CHIP = get_config("k3-chip")
 # Modelled step (ms) of mk's kernel on tpu-v5e, k3-chip (pinned). Measured on the chip (bf16 experts,
 # data/published.csv): 7.61 ms at B = 1, 8.12 ms at B = 8; the model reads neither.
-V5E_PINNED_MS = {("bf16", 1): 6.03, ("bf16", 8): 7.39, ("mxfp4", 1): 7.64, ("mxfp4", 8): 10.71}
+V5E_PINNED_MS = {("bf16", 1): 6.03, ("bf16", 8): 7.39, ("mxfp4", 1): 10.77, ("mxfp4", 8): 16.95}
 
 
 @pytest.fixture(scope="module")
@@ -468,14 +468,15 @@ def test_v5e_system_reads_the_chips_measured_rows_and_its_datasheet(tmp_path):
 
 def test_v5e_plan_is_the_kernels_default_plan(v5e):
     from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH, default_tile
-    from mk.kernel.schedule import INTEGER_DEQUANT_OPS
+    from mk.kernel.schedule import DEQUANT_OPS
     for (e, b), r in v5e.items():
         info, plan = r["mk_plan"], r["_results"]["mk"].plan
         assert "seed" not in r and info["mk_plan"] == "defaults" and plan.chip == "v5e"
         assert (plan.tile_k, plan.tile_n) == default_tile(K3_CHIP) and plan.prefetch_depth == DEFAULT_PREFETCH_DEPTH
         assert plan.vmem_planned_bytes <= plan.vmem_limit == 64 * 2 ** 20 and plan.experts == e
         assert plan.options.mxfp4_matmul == "bf16" and plan.options.kernel and plan.devices == 1
-        assert info["dequant_ops_per_weight"] == (INTEGER_DEQUANT_OPS if e == "mxfp4" else 0)
+        assert plan.mxfp4_unpack == "shift"                   # the plan's unpack on v5e
+        assert info["dequant_ops_per_weight"] == (DEQUANT_OPS["bf16", "shift"] if e == "mxfp4" else 0)
         assert ("dequant" in r["mk"]["breakdown_s"]) == (e == "mxfp4")
 
 
@@ -490,15 +491,16 @@ def test_pinned_v5e_step_times_and_the_measured_ones(v5e, key):
 
 
 def test_v5e_dequantization_cost_follows_the_named_op_count(monkeypatch, v5e):
-    """MXFP4 dequantization on v5e is costed at `INTEGER_DEQUANT_OPS` vector ops per weight at the
-    measured vector rate: changing the constant changes the modelled dequantization in proportion."""
+    """MXFP4 dequantization on v5e is costed at DEQUANT_OPS[('bf16', 'shift')] vector ops per weight
+    (the kernel's integer unpack, `Plan.mxfp4_unpack`) at the measured vector rate: changing the
+    count changes the modelled dequantization in proportion; TPU v7's bitcast unpack costs 4."""
     from mk.kernel import schedule
     base = v5e["mxfp4", 1]["mk"]["breakdown_s"]["dequant"]
-    monkeypatch.setattr(schedule, "INTEGER_DEQUANT_OPS", 2 * schedule.INTEGER_DEQUANT_OPS)
+    ops = dict(schedule.DEQUANT_OPS)
+    monkeypatch.setitem(schedule.DEQUANT_OPS, ("bf16", "shift"), 2 * ops["bf16", "shift"])
     r = sim.predict(K3_CHIP, 1, "tpu-v5e", experts="mxfp4")
     assert r["mk"]["breakdown_s"]["dequant"] == pytest.approx(2 * base, rel=1e-6)
-    # on TPU v7 (E2M1 converts in one op) the bf16 path keeps DEQUANT_OPS['bf16']
-    assert schedule.dequant_ops("bf16", "tpu7x") == schedule.DEQUANT_OPS["bf16"]
+    assert schedule.dequant_ops("bf16", "bitcast") == 4 < ops["bf16", "shift"]
 
 
 def test_v5e_refuses_the_fp8_paths_in_one_line(capsys):

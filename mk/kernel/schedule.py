@@ -30,26 +30,22 @@ from mk.kernel import conventional
 from mk.kernel.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError, WeightDMA, round_up
 
 # Vector ops per weight of an MXFP4 matrix's in-VMEM conversion, by how it meets the MXU
-# (`ScheduleOptions.mxfp4_matmul`):
-#   'bf16': mk's kernel (mk/kernel/ring.py `dequantize_tile`, counted): the E2M1 -> bf16
-#           conversion of the bitcast words (1), the broadcast scale (1), the multiply (1) and the
-#           store (1): 4;
-#   'fp8':  the seed (spec 3.5): a bitcast and one fp4 -> fp8 conversion per weight, the E8M0 group
-#           scales applied to [B, T/32, N] partial products (per group, not per weight): 1.
-DEQUANT_OPS = {"bf16": 4, "fp8": 1}
-# The 'bf16' path on chips whose Mosaic has no E2M1 vector type (`plan.chip`; v5e: "Unsupported type
-# 'vector<8x128x8xf4E2M1FN>'", tpu-notes.md): the codes' bits shifted and masked into bf16 bit
-# patterns with integer VPU ops, then the scale multiply. An estimate, 6-8 ops per weight, of the
-# kernel change in progress: set it to the count of the kernel that runs.
-INTEGER_DEQUANT_OPS = 7
-INTEGER_DEQUANT_CHIPS = ("v5e",)
+# (`ScheduleOptions.mxfp4_matmul`) and how its codes are unpacked (`Plan.mxfp4_unpack`), counted in
+# mk/kernel/ring.py (`unpack_codes`, `dequantize_tile`, `fp8_tile_product`):
+#   ('bf16', 'bitcast'): the E2M1 -> bf16 conversion of the bitcast words, the broadcast scale, the
+#           multiply and the store: 4 (TPU v7);
+#   ('bf16', 'shift'): the plane shift and its concatenation, `e2m1_bits` (and, shift, compare, add,
+#           compare, two selects, sign and / shift / or: 10), the broadcast exponent, the f32 -> bf16
+#           conversion and the store: 15 (v5e, v6e);
+#   ('fp8', 'bitcast'): the seed (spec 3.5): one fp4 -> fp8 conversion per weight, the E8M0 group
+#           scales applied to [B, T/32, N] partial products (per group, not per weight): 1;
+#   ('fp8', 'shift'): the shift, concatenation and `e2m1_bits` (12), the e4m3 conversion and store: 14.
+DEQUANT_OPS = {("bf16", "bitcast"): 4, ("bf16", "shift"): 15, ("fp8", "bitcast"): 1, ("fp8", "shift"): 14}
 
 
-def dequant_ops(mxfp4_matmul: str, chip: str) -> int:
-    """Vector ops per weight of an MXFP4 tile's in-VMEM conversion on `chip` (mk.kernel.plan chip name)."""
-    if mxfp4_matmul == "bf16" and chip in INTEGER_DEQUANT_CHIPS:
-        return INTEGER_DEQUANT_OPS
-    return DEQUANT_OPS[mxfp4_matmul]
+def dequant_ops(mxfp4_matmul: str, unpack: str) -> int:
+    """Vector ops per weight of an MXFP4 tile's in-VMEM conversion (`DEQUANT_OPS`)."""
+    return DEQUANT_OPS[mxfp4_matmul, unpack]
 
 
 def _mix_flops(cfg, rows: int, n_blocks: int) -> int:
@@ -178,7 +174,7 @@ def megakernel(plan, distinct_experts: list[float]):
         if m.format == "fp8":
             dtype = "fp8"
         elif m.format == "mxfp4":
-            dtype, ops = o.mxfp4_matmul, dequant_ops(o.mxfp4_matmul, plan.chip)
+            dtype, ops = o.mxfp4_matmul, dequant_ops(o.mxfp4_matmul, plan.mxfp4_unpack)
         return b.phase(l, tensor, "mxu", consumes=(l, tensor), rows=max(1, round(rows)), dtype=dtype,
                        flops=int(2 * rows * m.k_pad * m.n_pad * scale), vector_ops=int(ops * m.k * m.n * scale), **kw)
 

@@ -98,7 +98,14 @@ def init_params(cfg: K3Config, seed: int = 0) -> tuple[dict, str]:
     return pm.init(cfg, seed), f"random weights (mk.model.params.init, seed {seed}, {where})"
 
 
-def __iter__(self):   # cfg, params = load_model(...)
+@dataclass(frozen=True)
+class Model:
+    name: str             # label for titles (`model_name`)
+    cfg: K3Config
+    params: dict          # the `mk.model.params` tree (bf16 experts), jax arrays
+    source: str           # where the weights came from, for the notebook's printout
+
+    def __iter__(self):   # cfg, params = load_model(...)
         return iter((self.cfg, self.params))
 
 
@@ -210,9 +217,10 @@ def time_calls(call, steps: int, warmup: int = 2) -> np.ndarray:
     return out
 
 
-def _stats(seconds: np.ndarray) -> dict:
-    return {"median_ms": float(np.median(seconds)) * 1e3, "min_ms": float(seconds.min()) * 1e3,
-            "max_ms": float(seconds.max()) * 1e3, "steps": int(seconds.size)}
+def bench_summary(seconds) -> dict:
+    """median / min / max ms and steps of per-call seconds, as `mk bench` reports them."""
+    from mk.perf.bench import summarize
+    return summarize(list(seconds))
 
 
 def _first_line(e: BaseException) -> str:
@@ -226,21 +234,28 @@ def free_device_memory():
 
 
 def _time_decode(step, weights, cfg: K3Config, batch: int, ctx: int, context: int, steps: int, warmup: int) -> dict:
-    """Time `step(weights, cache, tokens)` (a `make_decode_step`) from position `context - 1`."""
+    """Time `step(weights, cache, tokens)` (a `make_decode_step`) from position `context - 1`, as
+    `mk bench` times its cases (`mk.perf.bench.time_steps`, `summarize`)."""
     import jax.numpy as jnp
 
+    from mk.perf import bench
     from mk.model import reference as R
-    cache = R.init_cache(cfg, batch, ctx)
-    cache["pos"] = jnp.full((batch,), context - 1, jnp.int32)
-    tok = jnp.zeros((batch,), jnp.int32)
-    state = {"cache": cache}
 
-    def call():
-        logits, state["cache"] = step(weights, state["cache"], tok)
-        return logits
+    def new_cache():
+        cache = R.init_cache(cfg, batch, ctx)
+        cache["pos"] = jnp.full((batch,), context - 1, jnp.int32)
+        return cache
 
-    out = _stats(time_calls(call, steps, warmup))
-    if not np.isfinite(np.asarray(call(), np.float32)).all():
+    last = {}
+
+    def run(cache, tok):
+        out = step(weights, cache, tok)
+        last["logits"] = out[0]
+        return out
+
+    tokens = np.zeros((warmup + steps, batch), np.int32)
+    out = bench.summarize(bench.time_steps(run, new_cache, tokens, warmup, ctx - context + 1))
+    if not np.isfinite(np.asarray(last["logits"], np.float32)).all():
         raise NotebookError("non-finite logits")
     return out
 
@@ -327,7 +342,7 @@ def verify_times(params: dict, cfg: K3Config, ks, *, steps: int = 20, warmup: in
                 state["cache"] = v.commit(state["cache"], block, np.zeros((1,), np.int32))
                 return logits
 
-            row.update(_stats(time_calls(call, steps, warmup)))
+            row.update(bench_summary(time_calls(call, steps, warmup)))
         except Exception as e:
             row["error"] = _first_line(e)
         finally:

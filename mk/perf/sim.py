@@ -732,7 +732,7 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
             "tp_expert": plan.layout.tp_expert, "kernel_executes": plan.options.kernel, "chip": plan.chip,
             "mk_plan": s.setup.mk_plan, "all_reduce": plan.options.all_reduce,
             "mxfp4_matmul": plan.options.mxfp4_matmul,
-            "dequant_ops_per_weight": schedule.dequant_ops(plan.options.mxfp4_matmul, plan.chip)
+            "dequant_ops_per_weight": schedule.dequant_ops(plan.options.mxfp4_matmul, plan.mxfp4_unpack)
             if plan.experts == "mxfp4" else 0,
             "choices_step_s": {"/".join(c): t for c, (_, t) in step.items()},
             "all_reduce_step_s": {a: min(t for c, (_, t) in step.items() if c[0] == a) for a in choices["all_reduce"]},
@@ -843,16 +843,16 @@ def predict(cfg: K3Config, batch: int, system: str = "tpu-v7x16", *, context: in
         out["predicted_tok_s"] = res["seed"].tokens_per_s
         out["ratio"] = res["seed"].tokens_per_s / pub if pub else None
     if "mk" in res:
-        mk = res["mk"]
-        out["mk_hbm_floor_ratio"] = mk.step_time / mk.hbm_floor
-        measured = hwlib.published_value(s.published_system, measured_setting(mk.plan), batch, "step_time")
+        ours = res["mk"]
+        out["mk_hbm_floor_ratio"] = ours.step_time / ours.hbm_floor
+        measured = hwlib.published_value(s.published_system, measured_setting(ours.plan), batch, "step_time")
         if measured:
             out["mk_measured_step_s"] = measured
-            out["mk_modelled_over_measured"] = mk.step_time / measured
+            out["mk_modelled_over_measured"] = ours.step_time / measured
     if "seed" in res and "mk" in res:
-        mk, sd = res["mk"], res["seed"]
-        out["mk_speedup"] = sd.step_time / mk.step_time
-        out["mk_bubbles_s"] = bubbles(mk, sd) if mk.step_time > sd.step_time else []
+        ours, sd = res["mk"], res["seed"]
+        out["mk_speedup"] = sd.step_time / ours.step_time
+        out["mk_bubbles_s"] = bubbles(ours, sd) if ours.step_time > sd.step_time else []
     return out
 
 
