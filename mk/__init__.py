@@ -1,8 +1,14 @@
 """mk: a Kimi-K3-shaped decode step as one Pallas TPU megakernel.
 
-Modules: `config` (the model contract), `params` (random well-behaved weights), `reference`
-(pure-JAX decode step, the oracle), `checkpoint` / `synth` / `tokenizer` (HF checkpoints),
-`plan` + `kernel` (the megakernel), `roofline` + `sim` (performance model).
+A house in layers, each package importing only the ones below it (tests/test_layers_of_the_house.py):
+
+    mk.cli        `python -m mk COMMAND`                                          (top)
+    mk.notebooks  what the research notebooks call, and their runner
+    mk.perf       hardware data, roofline, simulator, traces, microbench, bench
+    mk.kernel     the plan, its schedules, weight packing, the Pallas megakernel, aot, check
+    mk.io         checkpoints, synthetic checkpoints, the tokenizer
+    mk.model      config, params, sublayers, the pure-JAX reference, layouts and sharding
+    mk.errors     the user-facing error base                                      (bottom)
 """
 import os as _os
 
@@ -60,7 +66,7 @@ def _quiet_libtpu_without_tpu() -> None:
 
 _quiet_libtpu_without_tpu()
 
-from mk.config import K3Config, PRESETS, get_config  # noqa: E402
+from mk.model.config import K3Config, PRESETS, get_config  # noqa: E402
 
 __all__ = ["K3Config", "PRESETS", "get_config"]
 __version__ = "0.1.0"

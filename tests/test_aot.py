@@ -3,9 +3,10 @@ import json
 
 import pytest
 
-from mk.aot import compile_kernel
-from mk.config import get_config
-from mk.plan import make_plan
+from mk.kernel.aot import compile_kernel
+from mk.model.config import get_config
+from mk.kernel.plan import make_plan
+from mk.kernel.schedule import collectives_per_step
 
 pytestmark = pytest.mark.aot
 
@@ -30,8 +31,9 @@ def test_every_option_compiles_where_the_chip_allows_it(topology, chip):
     """The fp8 MXU path (needs an fp8 MXU: refused on v5e in one line), both MXFP4 unpacks where
     they lower, and two-round all-reduces on 4 devices."""
     import dataclasses
-    from mk.plan import MK, PlanError
-    from mk.sharding import default_layout
+    from mk.kernel.plan import MK
+    from mk.model.layout import PlanError
+    from mk.model.sharding import default_layout
     cfg = get_config("mini")
     fp8 = dataclasses.replace(MK, mxfp4_matmul="fp8")
     if chip == "v5e":
@@ -54,7 +56,7 @@ def test_fp4_bitcast_does_not_lower_before_tpu7x():
     """Why the plan unpacks with shifts on v5e: Mosaic refuses the fp4 unpack there (if this starts
     compiling, a newer Mosaic lowers it and MXFP4_UNPACK can name v5e)."""
     import dataclasses
-    from mk.plan import MK
+    from mk.kernel.plan import MK
     plan = make_plan(get_config("mini"), 1, chip="v5e", experts="mxfp4",
                      options=dataclasses.replace(MK, mxfp4_unpack="bitcast"))
     r = compile_kernel(plan, "v5e:2x2")
@@ -107,10 +109,10 @@ def _layer_loop_kernel(layers: int, unrolled: bool):
 
 def test_program_size_does_not_grow_with_depth():
     """Seed claim in miniature: the runtime layer loop keeps the program one layer long. Measured as
-    the Mosaic MLIR ops of the lowered step (`mk.aot.mosaic_ops`), which no machine load changes;
+    the Mosaic MLIR ops of the lowered step (`mk.kernel.aot.mosaic_ops`), which no machine load changes;
     the wall-clock compile time is a benchmark, `mk compile-time --config k3-slice --layers 4,24`.
     The control: the same measure grows with depth for a kernel that unrolls its layer loop."""
-    from mk.aot import lower, lower_kernel, mosaic_ops
+    from mk.kernel.aot import lower, lower_kernel, mosaic_ops
     from mk.cli.kernel import stacked
     cfg = get_config("k3-slice").replace(experts=16)
     ops = {}
@@ -125,7 +127,7 @@ def test_program_size_does_not_grow_with_depth():
 
 
 def _sharded_plan(config, devices, batch=1, layers=None, **kw):
-    from mk.sharding import default_layout
+    from mk.model.sharding import default_layout
     cfg = get_config(config)
     if layers is not None:
         cfg = cfg.replace(layers=layers, full_attention=tuple(l for l in cfg.full_attention if l < layers - 1)
@@ -137,7 +139,7 @@ def _sharded_plan(config, devices, batch=1, layers=None, **kw):
 def test_sharded_k3_slice_compiles_for_8_cores(batch, experts):
     """The sharded step at full K3 widths, one pallas_call per core of tpu7x:2x2x1, collectives inside."""
     plan = _sharded_plan("k3-slice", 8, batch, experts=experts)
-    assert plan.devices == 8 and plan.collectives_per_step == 1 + 2 + 4 * 3
+    assert plan.devices == 8 and collectives_per_step(plan) == 1 + 2 + 4 * 3
     r = compile_kernel(plan, "tpu7x:2x2x1")
     assert r.compiled, r.error
 
@@ -165,7 +167,7 @@ def test_sharded_k3_compiles_for_the_seed_topology(capsys):
     """`mk aot --config k3 --topology tpu7x:4x4x1 --batch 1`: the whole model (93 layers, all 896
     experts, MXFP4 experts packed in HBM) on the 32 cores of the seed's 16 chips (the default
     mesh: every core the config divides; each rank's 112-wide latent slice at lane 0 or 16 of its
-    block, `mk.plan.latent_offsets`). About 10 s per compile here, twice (the VMEM probe). The
+    block, `mk.model.layout.latent_offsets`). About 10 s per compile here, twice (the VMEM probe). The
     JSON's figures are the compiler's: HBM per core under the chip's, VMEM within the plan's
     budget, which is under the limit."""
     out = _aot_json(capsys, "--config", "k3", "--topology", "tpu7x:4x4x1", "--batch", "1")
@@ -207,10 +209,10 @@ def test_full_k3_hbm_verdict_is_the_compilers(capsys):
 def test_abstract_kernel_weights_are_what_pack_weights_makes(config, devices):
     """aot's abstract weights (per device) have the keys, shapes and dtypes of pack_weights'."""
     import numpy as np
-    from mk.aot import kernel_weight_shapes
-    from mk.params import init
-    from mk.plan import pack_weights
-    from mk.sharding import default_layout
+    from mk.kernel.aot import kernel_weight_shapes
+    from mk.model.params import init
+    from mk.kernel.packing import pack_weights
+    from mk.model.sharding import default_layout
     cfg = get_config(config)
     plan = make_plan(cfg, 1, layout=default_layout(cfg, devices))
     params = init(cfg, 0)

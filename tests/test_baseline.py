@@ -1,15 +1,16 @@
-"""The fair XLA step (mk.baseline) against the oracle (mk.reference) under mk check's tolerances."""
+"""The fair XLA step (mk.perf.baseline) against the oracle (mk.model.reference) under mk check's tolerances."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mk import baseline, reference
-from mk.check import CACHE_TOL, LOGIT_TOL, LOGIT_SCALE
-from mk.checkpoint import dequantize_experts, dequantize_mxfp4
-from mk.config import get_config
-from mk.params import init
-from mk.synth import mxfp4_params
+from mk.perf import baseline
+from mk.model import reference
+from mk.kernel.check import CACHE_TOL, LOGIT_TOL, LOGIT_SCALE
+from mk.io.convert import dequantize_experts, dequantize_mxfp4
+from mk.model.config import get_config
+from mk.model.params import init
+from mk.io.synth import mxfp4_params
 
 CFG = get_config("mini")
 

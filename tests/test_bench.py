@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mk import bench
-from mk.config import get_config
-from mk.plan import make_plan
+from mk.perf import bench
+from mk.model.config import get_config
+from mk.kernel.plan import make_plan
 
 MINI = get_config("mini")
 
@@ -29,7 +29,7 @@ def test_measure_refuses_on_cpu():
 
 
 def test_step_bytes_against_an_independent_count():
-    """Every matrix of mini written out by hand (not from mk.params.shapes)."""
+    """Every matrix of mini written out by hand (not from mk.model.params.shapes)."""
     c = MINI
     d, H, D, HD, V = c.dim, c.heads, c.head_dim, c.heads * c.head_dim, c.vocab
     kda = c.n_kda * (2 * (d * D + D * HD + 4 * d * HD + d * H + HD * d) + 4 * (3 * c.conv_size * HD + H + HD + D))
@@ -82,7 +82,7 @@ def test_summary_and_ratios_with_a_fake_timer():
 
 def test_stream_bandwidth_missing_or_measured(tmp_path):
     assert bench.chip_of_device("TPU v5 lite") == ("v5e", "tpu-v5e")
-    base = "".join(line for line in open(bench.__file__.replace("mk/bench.py", "data/microbench.csv"))
+    base = "".join(line for line in open(bench.__file__.replace("mk/perf/bench.py", "data/microbench.csv"))
                    if not line.startswith("tpu-v5e,dma_stream_bw,"))
     bw = bench.bandwidths("tpu-v5e", tmp_path / "none.csv")
     assert bw["stream_bw"] is None and bw["stream_source"].startswith("not measured") and bw["datasheet_bw"] == 819e9
@@ -105,8 +105,8 @@ def test_a_config_that_does_not_fit_is_refused_in_one_line():
 
 
 def test_kernel_weights_are_reused_only_for_an_equal_packing():
-    from mk.params import init
-    from mk.plan import pack_weights
+    from mk.model.params import init
+    from mk.kernel.packing import pack_weights
     p1, p8 = make_plan(MINI, 1), make_plan(MINI, 8)
     assert bench.pack_key(p1) == bench.pack_key(p8)
     params = init(MINI, 0)

@@ -1,10 +1,11 @@
-"""`mk.check.check_on_chip`, the policy `mk check` applies on a TPU, exercised on CPU: the kernel
+"""`mk.kernel.check.check_on_chip`, the policy `mk check` applies on a TPU, exercised on CPU: the kernel
 (interpret mode) and XLA both against the oracle, resynchronised every step. Here all three are
 bit-exact, so a correct kernel passes with factor 0 and a planted bug fails."""
-from mk import check as mc
-from mk import params as params_mod
-from mk.config import get_config
-from mk.kernel import interpret_params, make_step_fn
+from mk.kernel import check as mc
+from mk.model import params as params_mod
+from mk.model.config import get_config
+from mk.kernel.decode import interpret_params
+from mk.kernel.step import make_step_fn
 from mk.kernel.moe import negated_combine
 
 

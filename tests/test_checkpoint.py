@@ -1,4 +1,4 @@
-"""mk.checkpoint / mk.synth / `python -m mk synth|logits|load`: round trips and bad input.
+"""mk.io.checkpoint / mk.io.synth / `python -m mk synth|logits|load`: round trips and bad input.
 
 One mini-config synthetic checkpoint is written per session; every bad-input case is a clone of
 it (symlinks, with only the damaged file copied) so each test stays fast.
@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from mk import checkpoint as ck
-from mk import synth
+from mk.io import checkpoint as ck
+from mk.io import schema, convert
+from mk.io import synth
 from mk.__main__ import main
-from mk.config import ConfigError, get_config
-from mk.params import shapes
+from mk.model.config import ConfigError, get_config
+from mk.model.params import shapes
 
 CFG = get_config("mini")
 SEED = 0
@@ -73,7 +74,7 @@ def test_write_checkpoint_returns_what_it_wrote(ckpt, expected):
 
 
 def test_quantized_params_only_touch_experts(expected):
-    init = __import__("mk.params", fromlist=["init"]).init(CFG, SEED)
+    init = __import__("mk.model.params", fromlist=["init"]).init(CFG, SEED)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(init), jax.tree.leaves(expected)):
         key = jax.tree_util.keystr(path)
         if any(w in key for w in ("'w1'", "'w2'", "'w3'")):
@@ -89,7 +90,7 @@ def test_mxfp4_mode_dequantizes_to_the_same(ckpt, expected):
     for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(abstract)):
         assert x.shape == s.shape and x.dtype == s.dtype
     for w in synth.EXPERT_FAMILIES:
-        got = ck.dequantize_mxfp4(tree["moe"][w]["packed"], tree["moe"][w]["scale"])
+        got = convert.dequantize_mxfp4(tree["moe"][w]["packed"], tree["moe"][w]["scale"])
         assert _bits(got) == _bits(expected["moe"][w]), w
     rest = {k: v for k, v in tree.items() if k != "moe"}
     assert_same_tree(rest, {k: v for k, v in expected.items() if k != "moe"})
@@ -116,7 +117,8 @@ def test_lazy_params_read_the_bits_load_returns(ckpt, experts):
 def test_kernel_weights_packed_from_lazy_params_are_the_loaded_trees(ckpt):
     """pack_weights reads the same bits slot by slot as from the loaded tree, into 64-byte
     aligned arrays (handed to JAX without a copy on CPU)."""
-    from mk.plan import make_plan, pack_weights
+    from mk.kernel.plan import make_plan
+    from mk.kernel.packing import pack_weights
 
     plan = make_plan(CFG, 1, experts="mxfp4")
     want = pack_weights(plan, ck.load(ckpt[0], experts="mxfp4", progress=False, to_jax=False))
@@ -137,15 +139,15 @@ def test_abstract_params_from_config_only(ckpt, tmp_path):
 
 def test_several_shards_and_spec_names(ckpt):
     path = ckpt[0]
-    index = json.load(open(os.path.join(path, ck.INDEX_FILE)))
+    index = json.load(open(os.path.join(path, schema.INDEX_FILE)))
     shards = set(index["weight_map"].values())
     assert len(shards) > 1
     for s in shards:
         assert os.path.getsize(os.path.join(path, s)) <= (4 << 20) + (1 << 16)
     names = set(index["weight_map"])
-    assert ck.LM_HEAD in names and "language_model.model.embed_tokens.weight" in names
-    assert all(n == ck.LM_HEAD or n.startswith(ck.PREFIX) for n in names)
-    assert names == {s.name for e in ck.layout(CFG) for s in e.sources}
+    assert schema.LM_HEAD in names and "language_model.model.embed_tokens.weight" in names
+    assert all(n == schema.LM_HEAD or n.startswith(schema.PREFIX) for n in names)
+    assert names == {s.name for e in schema.layout(CFG) for s in e.sources}
     with ck.Checkpoint(path) as c:
         assert c.tensor_info(KDA_Q) == ((CFG.attn_width, CFG.dim), "BF16")
         assert c.tensor_info(KDA_Q.replace("q_proj", "q_conv1d"))[1] == "F32"
@@ -170,7 +172,7 @@ def test_orientation_matches_params(ckpt, expected):
 
 # ---- CLI ----------------------------------------------------------------------------------------------
 def test_logits_cli_matches_reference_bit_for_bit(ckpt, expected, tmp_path):
-    from mk import reference
+    from mk.model import reference
     out = tmp_path / "logits.npy"
     toks = ",".join(map(str, TOKENS))
     assert main(["logits", "--checkpoint", ckpt[0], "--tokens", toks, "--out", str(out), "--no-progress"]) == 0
@@ -213,7 +215,7 @@ def test_kernel_backend_dispatches_to_mk_kernel(ckpt, tmp_path, monkeypatch):
         calls.append((cfg, list(tokens), sorted(params), options.mxfp4_matmul))
         return np.zeros((len(tokens), cfg.vocab), np.float32)
 
-    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(teacher_forced_logits=fake))
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace(teacher_forced_logits=fake))
     out = tmp_path / "l.npy"
     assert main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(out),
                  "--backend", "kernel", "--no-progress", "--mxfp4-matmul", "fp8"]) == 0
@@ -223,7 +225,7 @@ def test_kernel_backend_dispatches_to_mk_kernel(ckpt, tmp_path, monkeypatch):
 def test_logits_bench_prints_peak_rss_against_the_checkpoint(ckpt, tmp_path, monkeypatch, capsys):
     """`mk logits --bench --json`: the process's peak RSS and the checkpoint's bytes on disk."""
     import types
-    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace(
         teacher_forced_logits=lambda params, cfg, tokens, ctx=None, options=None: np.zeros((len(tokens), cfg.vocab),
                                                                                             np.float32)))
     capsys.readouterr()
@@ -236,7 +238,7 @@ def test_logits_bench_prints_peak_rss_against_the_checkpoint(ckpt, tmp_path, mon
 
 
 def test_kernel_backend_missing_is_a_clear_error(ckpt, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "mk.kernel", None)  # import mk.kernel -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", None)  # import mk.kernel -> ModuleNotFoundError
     rc = main(["logits", "--checkpoint", ckpt[0], "--tokens", "1,2", "--out", str(tmp_path / "l.npy"),
                "--backend", "kernel", "--no-progress"])
     err = capsys.readouterr().err
@@ -257,7 +259,7 @@ def clone(src, dst, copy=()):
 
 
 def shard_of(path, name):
-    return json.load(open(os.path.join(path, ck.INDEX_FILE)))["weight_map"][name]
+    return json.load(open(os.path.join(path, schema.INDEX_FILE)))["weight_map"][name]
 
 
 def rewrite_shard(src, dst, name, fn):
@@ -282,61 +284,61 @@ def edit_json(path, file, fn):
 def _no_config(src, dst):
     path = clone(src, dst)
     os.remove(os.path.join(path, "config.json"))
-    return path, ck.MissingFileError, ["config.json"]
+    return path, schema.MissingFileError, ["config.json"]
 
 
 def _unsupported(src, dst):
     path = clone(src, dst, copy=["config.json"])
     edit_json(path, "config.json", lambda d: d["text_config"].update(hidden_act="gelu"))
-    return path, ck.CheckpointConfigError, ["config.json", "hidden_act"]
+    return path, schema.CheckpointConfigError, ["config.json", "hidden_act"]
 
 
 def _no_index(src, dst):
     path = clone(src, dst)
-    os.remove(os.path.join(path, ck.INDEX_FILE))
-    return path, ck.MissingFileError, [ck.INDEX_FILE]
+    os.remove(os.path.join(path, schema.INDEX_FILE))
+    return path, schema.MissingFileError, [schema.INDEX_FILE]
 
 
 def _index_not_json(src, dst):
     path = clone(src, dst)
-    os.remove(os.path.join(path, ck.INDEX_FILE))
-    with open(os.path.join(path, ck.INDEX_FILE), "w") as f:
+    os.remove(os.path.join(path, schema.INDEX_FILE))
+    with open(os.path.join(path, schema.INDEX_FILE), "w") as f:
         f.write('{"weight_map": {')
-    return path, ck.IndexFormatError, [ck.INDEX_FILE, "JSON"]
+    return path, schema.IndexFormatError, [schema.INDEX_FILE, "JSON"]
 
 
 def _index_no_weight_map(src, dst):
-    path = clone(src, dst, copy=[ck.INDEX_FILE])
-    edit_json(path, ck.INDEX_FILE, lambda d: d.pop("weight_map"))
-    return path, ck.IndexFormatError, [ck.INDEX_FILE, "weight_map"]
+    path = clone(src, dst, copy=[schema.INDEX_FILE])
+    edit_json(path, schema.INDEX_FILE, lambda d: d.pop("weight_map"))
+    return path, schema.IndexFormatError, [schema.INDEX_FILE, "weight_map"]
 
 
 def _shard_missing(src, dst):
     shard = shard_of(src, KDA_Q)
     path = clone(src, dst)
     os.remove(os.path.join(path, shard))
-    return path, ck.MissingShardError, [shard, "language_model.model."]
+    return path, schema.MissingShardError, [shard, "language_model.model."]
 
 
 def _not_in_index(src, dst):
-    path = clone(src, dst, copy=[ck.INDEX_FILE])
-    edit_json(path, ck.INDEX_FILE, lambda d: d["weight_map"].pop(KDA_Q))
-    return path, ck.MissingTensorError, [ck.INDEX_FILE, KDA_Q]
+    path = clone(src, dst, copy=[schema.INDEX_FILE])
+    edit_json(path, schema.INDEX_FILE, lambda d: d["weight_map"].pop(KDA_Q))
+    return path, schema.MissingTensorError, [schema.INDEX_FILE, KDA_Q]
 
 
 def _not_in_shard(src, dst):
     path, shard = rewrite_shard(src, dst, KDA_Q, lambda t: t.pop(KDA_Q))
-    return path, ck.MissingTensorError, [shard, KDA_Q]
+    return path, schema.MissingTensorError, [shard, KDA_Q]
 
 
 def _wrong_shape(src, dst):
     path, shard = rewrite_shard(src, dst, KDA_Q, lambda t: t.update({KDA_Q: np.ascontiguousarray(t[KDA_Q][:-1])}))
-    return path, ck.TensorShapeError, [shard, KDA_Q, "shape"]
+    return path, schema.TensorShapeError, [shard, KDA_Q, "shape"]
 
 
 def _wrong_dtype(src, dst):
     path, shard = rewrite_shard(src, dst, NORM, lambda t: t.update({NORM: t[NORM].astype(np.float32)}))
-    return path, ck.TensorDtypeError, [shard, NORM, "F32", "BF16"]
+    return path, schema.TensorDtypeError, [shard, NORM, "F32", "BF16"]
 
 
 def _truncated(src, dst):
@@ -344,7 +346,7 @@ def _truncated(src, dst):
     path = clone(src, dst, copy=[shard])
     f = os.path.join(path, shard)
     os.truncate(f, os.path.getsize(f) - 1000)
-    return path, ck.TruncatedShardError, [shard, "truncated"]
+    return path, schema.TruncatedShardError, [shard, "truncated"]
 
 
 def _bad_header(src, dst):
@@ -353,7 +355,7 @@ def _bad_header(src, dst):
     with open(os.path.join(path, shard), "r+b") as f:
         f.seek(8)
         f.write(b"#garbage")  # the JSON header starts at byte 8
-    return path, ck.CorruptHeaderError, [shard, "header"]
+    return path, schema.CorruptHeaderError, [shard, "header"]
 
 
 def _scale(value):
@@ -363,7 +365,7 @@ def _scale(value):
             s[3, 1] = value
             t[SCALE] = s
         path, shard = rewrite_shard(src, dst, SCALE, damage)
-        return path, ck.ScaleByteError, [shard, SCALE, f"byte {value}", "[3, 1]"]
+        return path, schema.ScaleByteError, [shard, SCALE, f"byte {value}", "[3, 1]"]
     make.__name__ = f"_scale_{value}"
     return make
 
@@ -379,7 +381,7 @@ def test_bad_input_raises_named_checkpoint_error(case, ckpt, tmp_path, capsys):
     for experts in ("bf16", "mxfp4"):
         with pytest.raises(err) as info:
             ck.load(path, experts=experts, progress=False)
-        assert isinstance(info.value, ck.CheckpointError)
+        assert isinstance(info.value, schema.CheckpointError)
         msg = str(info.value)
         for w in words:
             assert w in msg, (w, msg)
@@ -411,19 +413,19 @@ def test_bad_checkpoint_in_a_real_process_prints_one_line(ckpt, tmp_path):
 
 def test_shapes_and_dtypes_checked_before_any_read(ckpt, tmp_path, monkeypatch):
     """A bad tensor late in the file order is reported before any tensor data is read."""
-    path, _ = rewrite_shard(ckpt[0], tmp_path / "bad", ck.LM_HEAD,
-                            lambda t: t.update({ck.LM_HEAD: t[ck.LM_HEAD].astype(np.float32)}))
+    path, _ = rewrite_shard(ckpt[0], tmp_path / "bad", schema.LM_HEAD,
+                            lambda t: t.update({schema.LM_HEAD: t[schema.LM_HEAD].astype(np.float32)}))
     reads = []
     orig = ck.Checkpoint.read
     monkeypatch.setattr(ck.Checkpoint, "read", lambda self, *a, **k: reads.append(a) or orig(self, *a, **k))
-    with pytest.raises(ck.TensorDtypeError):
+    with pytest.raises(schema.TensorDtypeError):
         ck.load(path, progress=False)
     assert reads == []
 
 
 def test_shard_streamer_reads_in_order_and_stays_within_lookahead(tmp_path):
     import time
-    from mk.checkpoint import ShardStreamer
+    from mk.io.checkpoint import ShardStreamer
 
     names = ["a.safetensors", "b.safetensors", "c.safetensors"]
     for n in names:

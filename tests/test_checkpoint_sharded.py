@@ -1,6 +1,6 @@
-"""mk.checkpoint.load_sharded on 8 virtual CPU devices (mesh ep 4 x tp 2, mini-tp8).
+"""mk.io.checkpoint.load_sharded on 8 virtual CPU devices (mesh ep 4 x tp 2, mini-tp8).
 
-Every leaf equals the unsharded `load` bit for bit and carries `mk.sharding`'s spec; every
+Every leaf equals the unsharded `load` bit for bit and carries `mk.model.sharding`'s spec; every
 device's shard holds its block; the process reads each checkpoint element once (no whole tensor
 where a block suffices); bad input gives a `CheckpointError` naming the file and the process.
 """
@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mk import checkpoint as ck
-from mk import reference_sharded as rs
-from mk import synth
-from mk.config import get_config
-from mk.sharding import param_spec
+from mk.io import checkpoint as ck
+from mk.io import schema
+from mk.model import reference_sharded as rs
+from mk.io import synth
+from mk.model.config import get_config
+from mk.model.sharding import param_spec
 
 CFG = get_config("mini-tp8")
 
@@ -71,7 +72,7 @@ def test_sharded_load_equals_load(path, mesh, experts, monkeypatch):
         total = 0
         for name in c.weight_map:
             shape, dtype = c.tensor_info(name)
-            total += int(np.prod(shape)) * np.dtype(ck._NP_DTYPES[dtype]).itemsize
+            total += int(np.prod(shape)) * np.dtype(schema._NP_DTYPES[dtype]).itemsize
     assert sum(n for _, n in reads) == total
     q_name = "language_model.model.layers.1.self_attn.q_proj.weight"
     assert sorted(n for name, n in reads if name == q_name) == [CFG.attn_width * CFG.dim * 2 // 8] * 8
@@ -90,7 +91,7 @@ def test_missing_shard_names_file_and_process(path, mesh, tmp_path):
     with ck.Checkpoint(path) as c:
         shard = c.weight_map["language_model.model.layers.2.block_sparse_moe.experts.3.w1.weight_packed"]
     bad = clone(path, tmp_path, drop=(shard,))
-    with pytest.raises(ck.MissingShardError) as e:
+    with pytest.raises(schema.MissingShardError) as e:
         ck.load_sharded(bad, mesh)
     msg = str(e.value)
     assert msg.startswith("process 0 of 1: ") and shard in msg and "\n" not in msg, msg
@@ -107,7 +108,7 @@ def test_failed_block_read_names_shard_and_process(path, mesh, monkeypatch):
             raise FileNotFoundError(2, "No such file or directory", self.file_of(n))
         return orig(self, n, rows, cols)
     monkeypatch.setattr(ck.ShardedCheckpoint, "read", read)
-    with pytest.raises(ck.CheckpointError) as e:
+    with pytest.raises(schema.CheckpointError) as e:
         ck.load_sharded(path, mesh)
     msg = str(e.value)
     with ck.Checkpoint(path) as c:

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mk.check as mc
-import mk.kernel
-from mk import reference as ref
+import mk.kernel.check as mc
+import mk.kernel.step
+from mk.model import reference as ref
 from mk.__main__ import main
-from mk.config import get_config
+from mk.model.config import get_config
 
 TINY = get_config("mini").replace(
     dim=128, latent=128, expert_hidden=128, dense_hidden=128, experts=4, top_k=2, layers=2, heads=1,
@@ -68,11 +68,11 @@ def test_max_abs_diff_never_hides_nan():
 
 @pytest.fixture
 def fake_kernel(monkeypatch):
-    """mk.kernel.make_step_fn -> the reference step; `poison[name] = step` NaNs that array from then on."""
+    """mk.kernel.step.make_step_fn -> the reference step; `poison[name] = step` NaNs that array from then on."""
     poison = {}
 
     def make_step_fn(params, cfg, batch, *, ctx, interpret=None, **kw):
-        from mk.checkpoint import dequantize_experts
+        from mk.io.convert import dequantize_experts
         calls = {"n": 0}
         params = dequantize_experts(params)          # `mk check` hands the kernel packed MXFP4 experts
 
@@ -89,12 +89,13 @@ def fake_kernel(monkeypatch):
             return logits, cache
 
         step_fn.plan = types.SimpleNamespace(prefetch_depth=kw.get("prefetch_depth", 2), num_slots=3,
-                                             config_name=lambda: "tiny", devices=1, collectives_per_step=0,
-                                             remote_bytes_per_step=0, options=kw["options"],
+                                             config_name=lambda: "tiny", devices=1, options=kw["options"],
                                              experts=kw.get("experts") or "bf16")
         return step_fn
 
-    monkeypatch.setattr(mk.kernel, "make_step_fn", make_step_fn)
+    monkeypatch.setattr(mk.kernel.step, "make_step_fn", make_step_fn)
+    monkeypatch.setattr(mc, "collectives_per_step", lambda plan: 0)
+    monkeypatch.setattr(mc, "remote_bytes_per_step", lambda plan: 0)
     monkeypatch.setattr(mc, "count_pallas_calls", lambda *a: 1)
     return poison
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mk.config import get_config
+from mk.model.config import get_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = get_config("mini").replace(
@@ -37,7 +37,7 @@ def run_mk(*argv, env=None, timeout=300):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from mk import synth
+    from mk.io import synth
     d = tmp_path_factory.mktemp("ckpt")
     synth.write_checkpoint(TINY, str(d), seed=1)
     return str(d)
@@ -50,7 +50,7 @@ def paths(tmp_path_factory, ckpt):
     afile.write_text("not a directory")
     no_config = d / "empty_dir"
     no_config.mkdir()
-    from mk import drafter
+    from mk.model import drafter
     drafter.write(drafter.config_for(get_config("mini")), d / "draft_vocab")          # vocab 2048 != 512
     drafter.write(drafter.config_for(TINY.replace(layers=8)), d / "draft_aux")       # aux layers 2, 4, 6
     return {"CKPT": ckpt, "FILE": str(afile), "EMPTY": str(no_config), "OUT": str(d / "out"),
@@ -179,14 +179,14 @@ def test_bad_input_is_one_line_exit_2(paths, argv, message):
 
 def test_logits_checks_ids_before_loading_weights(paths, monkeypatch, capsys):
     """A bad id is reported without reading a single tensor (on K3 the load takes minutes)."""
-    import mk.checkpoint
+    import mk.io.checkpoint
     from mk.__main__ import main
 
     def no_load(*a, **kw):
         raise AssertionError("weights loaded before the ids were checked")
 
-    monkeypatch.setattr(mk.checkpoint, "load", no_load)
-    monkeypatch.setattr(mk.checkpoint, "load_with_config", no_load)
+    monkeypatch.setattr(mk.io.checkpoint, "load", no_load)
+    monkeypatch.setattr(mk.io.checkpoint, "load_with_config", no_load)
     out = os.path.join(paths["OUT"] + "_logits.npy")
     assert main(["logits", "--checkpoint", paths["CKPT"], "--tokens", "1,99999", "--out", out]) == 2
     assert "token id 99999 outside the vocabulary" in capsys.readouterr().err

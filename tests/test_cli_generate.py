@@ -12,10 +12,10 @@ import types
 import numpy as np
 import pytest
 
-from mk import params as mkparams
-from mk import reference as ref
+from mk.model import params as mkparams
+from mk.model import reference as ref
 from mk.__main__ import main
-from mk.config import get_config
+from mk.model.config import get_config
 
 TINY = get_config("mini").replace(
     dim=128, latent=128, expert_hidden=128, dense_hidden=128, experts=4, top_k=2, layers=2, heads=1,
@@ -49,7 +49,7 @@ def test_prints_token_ids(capsys, tiny_dir):
     assert len(lines) == 1
     toks = [int(t) for t in lines[0].split(" ")]
     assert len(toks) == 6 and all(0 <= t < TINY.vocab for t in toks)
-    # exactly the library's greedy generation with mk.params.init(config, seed)
+    # exactly the library's greedy generation with mk.model.params.init(config, seed)
     want = ref.generate(mkparams.init(TINY, 0), TINY, [1, 2, 3], 6, ctx=128)["tokens"][0].tolist()
     assert toks == want
     # deterministic, and the prompt may use spaces too
@@ -140,14 +140,14 @@ def test_unknown_config_and_missing_checkpoint(capsys, tmp_path):
 
 
 def test_kernel_backend_plumbing(capsys, tiny_dir, monkeypatch):
-    """--backend kernel hands mk.kernel.make_step_fn(params, cfg, batch, ctx=...) to generate."""
+    """--backend kernel hands mk.kernel.step.make_step_fn(params, cfg, batch, ctx=...) to generate."""
     calls = []
 
     def make_step_fn(params, cfg, batch, *, ctx, options):
         calls.append((cfg, batch, ctx, options.all_reduce, options.mxfp4_matmul))
         return lambda p, cache, tokens: ref.decode_step(p, cache, tokens, cfg=cfg)
 
-    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(make_step_fn=make_step_fn))
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace(make_step_fn=make_step_fn))
     out = gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--batch", "2",
               "--backend", "kernel", "--json", "--all-reduce", "two_round", "--mxfp4-matmul", "fp8")
     res = json.loads(out)
@@ -157,24 +157,24 @@ def test_kernel_backend_plumbing(capsys, tiny_dir, monkeypatch):
 
 
 def test_kernel_backend_missing(capsys, tiny_dir, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mk.kernel", None)          # import mk.kernel fails
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", None)          # import mk.kernel fails
     code, out, err = cli(capsys, "--config", tiny_dir, "--prompt-tokens", "1", "--backend", "kernel")
     assert code == 2 and "--backend kernel needs mk.kernel" in err and err.count("\n") == 1
-    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace())
     code, out, err = cli(capsys, "--config", tiny_dir, "--prompt-tokens", "1", "--backend", "kernel")
     assert code == 2 and "make_step_fn" in err
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    from mk import synth
+    from mk.io import synth
     d = tmp_path_factory.mktemp("ckpt")
     synth.write_checkpoint(TINY, str(d), seed=2)
     return str(d)
 
 
 def test_checkpoint_prompt_tokens(capsys, tiny_checkpoint):
-    from mk.checkpoint import load_with_config
+    from mk.io.checkpoint import load_with_config
 
     code, out, err = cli(capsys, "--checkpoint", tiny_checkpoint, "--prompt-tokens", "3,4", "--max-new-tokens", "4",
                          "--ctx", "128", "--json")
@@ -186,7 +186,7 @@ def test_checkpoint_prompt_tokens(capsys, tiny_checkpoint):
 
 
 def test_checkpoint_prompt_text(capsys, tiny_checkpoint):
-    from mk.tokenizer import Tokenizer
+    from mk.io.tokenizer import Tokenizer
 
     code, out, err = cli(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "hello world", "--max-new-tokens", "4",
                          "--ctx", "128", "--json")
@@ -225,11 +225,11 @@ def test_module_entry_point(tiny_dir, capsys):
 
 
 def test_speculative_kernel_plumbing(capsys, tiny_dir, monkeypatch):
-    """--speculative K --backend kernel hands mk.kernel.KernelVerifier(params, cfg, batch, K,
+    """--speculative K --backend kernel hands mk.kernel.step.KernelVerifier(params, cfg, batch, K,
     drafter aux layers, ctx=, mesh=) to speculative.generate (the kernel's verify step itself is
     tests/test_speculative_kernel.py's)."""
-    from mk import drafter as mkdrafter
-    from mk.speculative import ReferenceVerifier
+    from mk.model import drafter as mkdrafter
+    from mk.kernel.speculative import ReferenceVerifier
     calls = []
 
     def KernelVerifier(params, cfg, batch, k, aux_layers, *, ctx, mesh, options):
@@ -237,7 +237,7 @@ def test_speculative_kernel_plumbing(capsys, tiny_dir, monkeypatch):
         assert (options.all_reduce, options.mxfp4_matmul) == ("one_round", "bf16")    # MK's defaults
         return ReferenceVerifier(cfg)
 
-    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(KernelVerifier=KernelVerifier))
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace(KernelVerifier=KernelVerifier))
     res = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--json",
                          "--speculative", "2", "--backend", "kernel"))
     assert calls == [(TINY, 1, 2, mkdrafter.config_for(TINY).aux_layers, res["ctx"], None)] and res["backend"] == "kernel"

@@ -53,7 +53,7 @@ def test_kernel_teacher_forced_steps_are_counted(monkeypatch):
         return [step(None, None, t)[0] for t in tokens]
 
     kernel.make_step_fn, kernel.teacher_forced_logits = make_step_fn, teacher_forced_logits
-    monkeypatch.setitem(sys.modules, "mk.kernel", kernel)
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", kernel)
     monkeypatch.setattr(cli_ckpt, "progress", shown_progress)
     with cli_ckpt._kernel_steps_progress(4):
         assert kernel.teacher_forced_logits(None, None, [5, 6, 7, 8]) == [5, 6, 7, 8]
@@ -66,9 +66,9 @@ def test_generate_kernel_backend_keeps_stdout_clean(monkeypatch, capsys, tmp_pat
     """The step counter wraps the kernel's step function; stdout holds only the result."""
     import json
 
-    from mk import reference as ref
+    from mk.model import reference as ref
     from mk.__main__ import main
-    from mk.config import get_config
+    from mk.model.config import get_config
 
     cfg = get_config("mini").replace(
         dim=128, latent=128, expert_hidden=128, dense_hidden=128, experts=4, top_k=2, layers=2, heads=1,
@@ -81,7 +81,7 @@ def test_generate_kernel_backend_keeps_stdout_clean(monkeypatch, capsys, tmp_pat
             return ref.decode_step(p, cache, tokens, cfg=c)
         return step
 
-    monkeypatch.setitem(sys.modules, "mk.kernel", types.SimpleNamespace(make_step_fn=make_step_fn))
+    monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace(make_step_fn=make_step_fn))
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     argv = ["generate", "--config", str(tmp_path), "--ctx", "128", "--prompt-tokens", "1,2", "--max-new-tokens", "3",
             "--backend", "kernel"]

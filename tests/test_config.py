@@ -1,10 +1,10 @@
-"""mk.config: the K3 contract (spec 1.1), its layer schedules (1.3, 1.4.2), presets and from_hf."""
+"""mk.model.config: the K3 contract (spec 1.1), its layer schedules (1.3, 1.4.2), presets and from_hf."""
 import copy
 import json
 
 import pytest
 
-from mk.config import PRESETS, REQUIRED_SETTINGS, ConfigError, K3Config, get_config
+from mk.model.config import PRESETS, REQUIRED_SETTINGS, ConfigError, K3Config, get_config
 from mk.errors import UserError
 
 K3 = K3Config()

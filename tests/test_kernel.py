@@ -2,14 +2,14 @@
 
 On CPU the kernel keeps the reference's rounding points and summation order, so the claim is bit
 identity: `check(..., exact=True)` passes only when every logit, every cache element and every
-greedy token equals the reference's (`mk.check.exact_verdict`). (On a TPU, `mk check` compares the
-compiled kernel with XLA on the same chip instead: `mk.check.check_on_chip`.)
+greedy token equals the reference's (`mk.kernel.check.exact_verdict`). (On a TPU, `mk check` compares the
+compiled kernel with XLA on the same chip instead: `mk.kernel.check.check_on_chip`.)
 """
 import pytest
 
-from mk.check import LOGIT_SCALE, check
-from mk.config import get_config
-from mk.plan import DEFAULT_PREFETCH_DEPTH
+from mk.kernel.check import LOGIT_SCALE, check
+from mk.model.config import get_config
+from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH
 
 # Every batch size, every prefetch depth (0 = no overlap, 1, the default), 5 decode steps each
 # (3 prompt tokens, then greedy: the ring wraps many times per step at every depth). Routed experts
@@ -25,7 +25,7 @@ CASES = [(1, 0, "bf16", "bf16", "auto"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "b
 
 @pytest.fixture(scope="module")
 def mini():
-    from mk import params
+    from mk.model import params
     cfg = get_config("mini")
     return cfg, params.init(cfg, 0)
 
@@ -64,9 +64,9 @@ def test_kernel_eager_dma_mode(mini):
 
 def test_one_pallas_call_per_step(mini):
     import jax.numpy as jnp
-    from mk import reference
-    from mk.check import count_pallas_calls
-    from mk.kernel import make_step_fn
+    from mk.model import reference
+    from mk.kernel.check import count_pallas_calls
+    from mk.kernel.step import make_step_fn
     cfg, params = mini
     fn = make_step_fn(params, cfg, 2)
     cache = reference.init_cache(cfg, 2)

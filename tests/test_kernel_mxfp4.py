@@ -8,9 +8,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mk import plan as plan_mod
-from mk.config import get_config
-from mk.plan import PlanError, make_plan
+from mk.kernel import packing, plan as plan_mod
+from mk.model.config import get_config
+from mk.model.layout import PlanError
+from mk.kernel.plan import make_plan
+from mk.kernel.schedule import dmas, routed_expert_bytes_per_step, weight_bytes_per_step
 
 # E2M1 is 4 bits plus one 8-bit E8M0 scale per 32 values: 4.25 bits per weight against bf16's 16.
 PACKED_RATIO = 16 / (4 + 8 / 32)
@@ -18,27 +20,27 @@ PACKED_RATIO = 16 / (4 + 8 / 32)
 
 def test_expert_bytes_drop_by_the_packed_ratio():
     """Plan (its DMA list), simulator (bytes it moves) and roofline count packed expert bytes."""
-    from mk import roofline, sim
+    from mk.perf import roofline, sim
     cfg = get_config("k3").replace(layers=3, full_attention=(2,))   # K3 widths, 896 experts; 3 layers
     lay = plan_mod.Layout()                     # one core's plan (VMEM not checked)
     bf16, mx = (make_plan(cfg, 1, layout=lay, experts=f, check=False) for f in ("bf16", "mxfp4"))
-    assert bf16.routed_expert_bytes_per_step() / mx.routed_expert_bytes_per_step() == pytest.approx(PACKED_RATIO, rel=1e-12)
+    assert routed_expert_bytes_per_step(bf16) / routed_expert_bytes_per_step(mx) == pytest.approx(PACKED_RATIO, rel=1e-12)
     assert PACKED_RATIO == pytest.approx(3.765, abs=1e-3)
     # the other weights are unchanged
-    assert (bf16.weight_bytes_per_step() - bf16.routed_expert_bytes_per_step()
-            == mx.weight_bytes_per_step() - mx.routed_expert_bytes_per_step())
+    assert (weight_bytes_per_step(bf16) - routed_expert_bytes_per_step(bf16)
+            == weight_bytes_per_step(mx) - routed_expert_bytes_per_step(mx))
     # the simulator replays the plan's DMAs: it moves exactly the plan's bytes
     r_bf16, r_mx = (sim.simulate(p, "tpu-v7x16") for p in (bf16, mx))
     assert r_bf16.bytes_moved - r_mx.bytes_moved == pytest.approx(
-        bf16.weight_bytes_per_step() - mx.weight_bytes_per_step(), rel=1e-9)
+        weight_bytes_per_step(bf16) - weight_bytes_per_step(mx), rel=1e-9)
     # the roofline's per-expert bytes agree with the plan's (k3 expert tiles have no padding)
     rl_lay = roofline.as_layout(lay)
     for p, fmt in ((bf16, "bf16"), (mx, "mxfp4")):
         slice_bytes = roofline.expert_slice_bytes(cfg, rl_lay, roofline.WeightFormats(fmt, fmt, fmt))
         assert p.expert_bytes == pytest.approx(slice_bytes["total"], rel=1e-12), fmt
     # the mxfp4 pool is separate: its slots carry their own ids, after the bf16 ring's
-    slots = {d.slot for d in mx.dmas if d.tensor.startswith("expert[")}
-    assert min(slots) >= mx.num_slots and {d.slot for d in mx.dmas if not d.tensor.startswith("expert[")} <= set(range(mx.num_slots))
+    slots = {d.slot for d in dmas(mx) if d.tensor.startswith("expert[")}
+    assert min(slots) >= mx.num_slots and {d.slot for d in dmas(mx) if not d.tensor.startswith("expert[")} <= set(range(mx.num_slots))
 
 
 def test_mxfp4_buffers_and_checks():
@@ -61,7 +63,7 @@ def _run_dequant(codes, scales, m, unpack="bitcast"):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
-    from mk.kernel import interpret_params, on_tpu
+    from mk.kernel.decode import interpret_params, on_tpu
     from mk.kernel.ring import dequantize_tile
 
     def kernel(c_ref, s_ref, o_ref):
@@ -83,7 +85,7 @@ def every_code_every_scale_tile(tk=512, tn=256, seed=0):
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 16, (tk, tn), dtype=np.uint8)
     codes[:16, :] = np.arange(16, dtype=np.uint8)[:, None]              # every code in every column
-    lo, hi = plan_mod.KERNEL_SCALE_RANGE
+    lo, hi = packing.KERNEL_SCALE_RANGE
     scales = rng.integers(lo, hi + 1, (tk // 32, tn), dtype=np.uint8)
     scales[0, :] = np.arange(tn) % (hi - lo + 1) + lo                   # every scale byte, group 0
     scales[1, :2] = (lo, hi)
@@ -98,17 +100,18 @@ def test_in_kernel_dequant_bit_exact_against_ml_dtypes(unpack):
     the kernel (integer shifts, every TPU; the fp4 bitcast, TPU v7), equals ml_dtypes'
     float4_e2m1fn x float8_e8m0fnu in bf16 bit for bit (signed zeros included). In interpret mode
     on CPU; compiled on a TPU backend (`JAX_PLATFORMS=tpu,cpu pytest ...` on the chip)."""
-    from mk.kernel import attached_chip, on_tpu
+    from mk.kernel.step import attached_chip
+    from mk.kernel.decode import on_tpu
     if on_tpu() and unpack != make_plan(get_config("mini"), 1, chip=attached_chip(), experts="mxfp4").mxfp4_unpack:
         pytest.skip(f"{unpack} unpack does not lower on {attached_chip()} (test_aot: fp4 bitcast is TPU v7's)")
     tk, tn = 512, 256
     m = plan_mod.Matrix("expert.down", tk, tn, (), tk, tn, "mxfp4")
     codes, scales, want = every_code_every_scale_tile(tk, tn)
-    c, s = plan_mod.pack_mxfp4_tiles(codes, scales, tk, tn, unpack)
+    c, s = packing.pack_mxfp4_tiles(codes, scales, tk, tn, unpack)
     got = _run_dequant(c, s, m, unpack)[0]
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     other = "bitcast" if unpack == "shift" else "shift"                # the layout matters
-    c2, s2 = plan_mod.pack_mxfp4_tiles(codes, scales, tk, tn, other)
+    c2, s2 = packing.pack_mxfp4_tiles(codes, scales, tk, tn, other)
     assert not np.array_equal(_run_dequant(c2, s2, m, unpack)[0].view(np.uint16), want.view(np.uint16))
 
 
@@ -116,13 +119,13 @@ def test_packed_expert_tiles_dequantize_to_the_bf16_tiles():
     """`pack_weights` on mini-tp8's rank 5 share (latent blocks, a tp slice of each expert): every
     tile of one packed expert, dequantized by the kernel, equals the bf16 tile that the bf16 format
     packs from `dequantize_mxfp4` of the same checkpoint bytes; padding dequantizes to +0."""
-    from mk import synth
-    from mk.sharding import default_layout
+    from mk.io import synth
+    from mk.model.sharding import default_layout
     cfg = get_config("mini-tp8")
     packed, _ = synth.mxfp4_params(cfg, 1)
     kw = dict(layout=default_layout(cfg, 8))
-    mx = plan_mod.pack_weights(make_plan(cfg, 1, experts="mxfp4", **kw), packed, rank=5)
-    bf = plan_mod.pack_weights(make_plan(cfg, 1, experts="bf16", **kw), packed, rank=5)
+    mx = packing.pack_weights(make_plan(cfg, 1, experts="mxfp4", **kw), packed, rank=5)
+    bf = packing.pack_weights(make_plan(cfg, 1, experts="bf16", **kw), packed, rank=5)
     m = make_plan(cfg, 1, experts="mxfp4", **kw).expert_gu
     assert mx["expert_codes"].nbytes + mx["expert_scales"].nbytes < bf["experts"].nbytes / 3.7
     layer, expert = 1, 2
@@ -131,16 +134,16 @@ def test_packed_expert_tiles_dequantize_to_the_bf16_tiles():
 
 
 def test_scale_bytes_the_kernel_cannot_dequantize_exactly_are_refused():
-    from mk import synth
+    from mk.io import synth
     cfg = get_config("mini")
     packed, _ = synth.mxfp4_params(cfg, 0)
     packed["moe"]["w3"]["scale"] = packed["moe"]["w3"]["scale"].copy()
     packed["moe"]["w3"]["scale"][1, 2, 3, 0] = 1
     with pytest.raises(PlanError, match=r"moe.w3 \(MoE layer 2\): E8M0 scale byte 1 at \[2, 3, 0\] is outside 2..252"):
-        plan_mod.pack_weights(make_plan(cfg, 1, experts="mxfp4"), packed)
+        packing.pack_weights(make_plan(cfg, 1, experts="mxfp4"), packed)
     with pytest.raises(PlanError, match="needs the routed experts as MXFP4"):
-        from mk import params
-        plan_mod.pack_weights(make_plan(cfg, 1, experts="mxfp4"), params.init(cfg, 0))
+        from mk.model import params
+        packing.pack_weights(make_plan(cfg, 1, experts="mxfp4"), params.init(cfg, 0))
 
 
 def _unpack_tiles(codes, scales, m):
@@ -167,9 +170,9 @@ def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():
     128-lane block, so every padded 32-row group holds rows of one source group: on every rank the
     packed tiles (arbitrary scale bytes per group) dequantize to exactly the checkpoint's weights
     laid out in the gathered latent layout, zeros elsewhere. K3 on 32 devices (112 per rank) plans."""
-    from mk import synth
-    from mk.checkpoint import dequantize_mxfp4
-    from mk.sharding import default_layout, local_params
+    from mk.io import synth
+    from mk.io.convert import dequantize_mxfp4
+    from mk.model.sharding import default_layout, local_params
     cfg = get_config("mini-tp8").replace(latent=448)
     lay = default_layout(cfg, 8)
     plan = make_plan(cfg, 1, experts="mxfp4", layout=lay)
@@ -177,7 +180,7 @@ def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():
     assert per % 32 and plan.latent_offsets == (0, 24, 16, 8) * 2
     # the layout: block j holds rank j's features contiguously, and each padded 32-lane group's
     # features come from one source scale group
-    src = plan_mod.to_latent_blocks(np.arange(1, cfg.latent + 1)[None], plan, axis=1)[0].astype(int) - 1
+    src = packing.to_latent_blocks(np.arange(1, cfg.latent + 1)[None], plan, axis=1)[0].astype(int) - 1
     assert sorted(src[src >= 0]) == list(range(cfg.latent))
     for j in range(8):
         blk = src[j * lb:(j + 1) * lb]
@@ -193,7 +196,7 @@ def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():
     fe = cfg.expert_hidden // lay.tp_expert
     layer = 1
     for rank in range(8):
-        got = plan_mod.pack_weights(plan, packed, rank=rank)
+        got = packing.pack_weights(plan, packed, rank=rank)
         share = local_params(packed, lay, rank)["moe"]
         w1, w3, w2 = (dequantize_mxfp4(share[k]["packed"][layer], share[k]["scale"][layer]).astype(np.float32)
                       for k in ("w1", "w3", "w2"))                  # [E_local, K, N]
@@ -207,12 +210,12 @@ def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():
             want_gu = np.zeros((gu.k_pad, gu.n_pad), np.float32)
             for key, w in (("w1", w1), ("w3", w3)):
                 o = gu.part(key).offset
-                want_gu[:plan.latent_padded, o:o + fe] = plan_mod.to_latent_blocks(w[e], plan, axis=0)
+                want_gu[:plan.latent_padded, o:o + fe] = packing.to_latent_blocks(w[e], plan, axis=0)
             want_dn = np.zeros((dn.k_pad, dn.n_pad), np.float32)
-            want_dn[:fe, :plan.latent_padded] = plan_mod.to_latent_blocks(w2[e], plan, axis=1)
+            want_dn[:fe, :plan.latent_padded] = packing.to_latent_blocks(w2[e], plan, axis=1)
             np.testing.assert_array_equal(deq["expert.gu"], want_gu, err_msg=f"rank {rank} expert {e} w1|w3")
             np.testing.assert_array_equal(deq["expert.down"], want_dn, err_msg=f"rank {rank} expert {e} w2")
-    from mk.sharding import default_layout as dl
+    from mk.model.sharding import default_layout as dl
     k3 = get_config("k3")
     assert make_plan(k3, 1, layout=dl(k3, 32), experts="mxfp4", check=False).latent_offsets[:2] == (0, 16)
     bad = get_config("mini-tp8").replace(latent=960)        # 120 per rank: lane 24 + 120 > 128
@@ -227,7 +230,7 @@ def _run_fp8_tile(x, codes, scales, m, unpack="bitcast"):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
-    from mk.kernel import interpret_params
+    from mk.kernel.decode import interpret_params
     from mk.kernel.ring import fp8_tile_product
 
     R, G = x.shape[0], m.tile_k // plan_mod.MX_GROUP
@@ -253,14 +256,14 @@ def test_fp8_path_sums_group_partials_in_order(unpack):
     x_g @ dequantized w_g (what the references compute with `mm(..., k_chunk=MX_GROUP)`). (Whether one
     dot over the whole tile sums differently depends on XLA:CPU's dot: run alone it matched here.)"""
     import jax.numpy as jnp
-    from mk.layers.common import mm
+    from mk.model.layers.common import mm
     tk, tn, R = 512, 256, 8
     m = plan_mod.Matrix("expert.down", tk, tn, (), tk, tn, "mxfp4")
     rng = np.random.default_rng(3)
     codes = rng.integers(0, 16, (tk, tn), dtype=np.uint8)
     scales = rng.integers(120, 134, (tk // 32, tn), dtype=np.uint8)
     x = rng.standard_normal((R, tk)).astype(ml_dtypes.bfloat16)
-    c, s = plan_mod.pack_mxfp4_tiles(codes, scales, tk, tn, unpack)
+    c, s = packing.pack_mxfp4_tiles(codes, scales, tk, tn, unpack)
     got = _run_fp8_tile(x, c[None] if c.ndim == 2 else c, s[None] if s.ndim == 2 else s, m, unpack)
     w = (codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
          * np.repeat(scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), 32, axis=0)).astype(ml_dtypes.bfloat16)

@@ -3,12 +3,12 @@ race detector on, each against the XLA reference from the same (reference-prefil
 
 * MLA past the first 128-position cache block (multi-block online softmax, later-block write-back);
 * batch rows at different positions (per-row block counts and write-back blocks);
-* weights written by `mk.synth` and read back through `mk.checkpoint` (MXFP4 experts dequantized);
+* weights written by `mk.io.synth` and read back through `mk.io.checkpoint` (MXFP4 experts dequantized);
 * one decode step at full K3 widths (a trimmed k3-slice);
 * the DMA issue order observed at runtime: the weight ring prefetches across layer boundaries and
   fetches each distinct routed expert once per step;
 * bit-exactness on mini where the reference used to round a different product of the MoE
-  weighted sum (XLA CPU's FMA contraction; see mk/layers/moe.py).
+  weighted sum (XLA CPU's FMA contraction; see mk/model/layers/moe.py).
 
 Sized for interpret mode (a few steps each, caches prefilled by the reference, not 130 kernel
 steps). Tolerances are test_kernel.py's.
@@ -24,11 +24,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import params as params_mod
-from mk import reference
-from mk.check import races_found
-from mk.config import get_config
-from mk.kernel import interpret_params, make_step_fn
+from mk.model import params as params_mod
+from mk.model import reference
+from mk.kernel.check import races_found
+from mk.model.config import get_config
+from mk.kernel.decode import interpret_params
+from mk.kernel.step import make_step_fn
+from mk.kernel.schedule import schedule
 
 # On CPU the kernel equals the reference bit for bit (README, docs/numerics.md): no tolerance.
 LOGIT_TOL = 0.0
@@ -177,7 +179,7 @@ class DmaLog:
 def reference_routing(params, cfg, cache, tokens):
     """{MoE layer: set of experts chosen by any row} of the reference step (its own jit, with
     `route` tapped)."""
-    import mk.layers.moe as lmoe
+    import mk.model.layers.moe as lmoe
 
     seen = []
     orig = lmoe.route
@@ -309,11 +311,11 @@ def test_each_distinct_expert_fetched_once(mixed_run):
 
 @pytest.mark.slow
 def test_runtime_dma_order_is_the_plans_schedule(mixed_run):
-    """The tiles the kernel issued, in its runtime order, are the DMA entries of `Plan.schedule()`
-    for the routing that happened: the list `mk.sim` replays is the list the kernel executes."""
+    """The tiles the kernel issued, in its runtime order, are the DMA entries of `schedule(plan)`
+    for the routing that happened: the list `mk.perf.sim` replays is the list the kernel executes."""
     plan = mixed_run["step_fn"].plan
     routing = mixed_run["routing"]
-    dmas, _ = plan.schedule([len(routing[l]) for l in range(1, plan.config.layers)])
+    dmas, _ = schedule(plan, [len(routing[l]) for l in range(1, plan.config.layers)])
     planned, dense = [], 0
     for d in dmas:
         if d.tensor.startswith("expert["):
@@ -330,16 +332,16 @@ def test_runtime_dma_order_is_the_plans_schedule(mixed_run):
 # ---- 3. weights from a checkpoint ----------------------------------------------------------------
 @pytest.mark.slow
 def test_kernel_on_checkpoint_weights(tmp_path):
-    """`mk.synth` writes a mini checkpoint (MXFP4 experts), `mk.checkpoint` loads it with the
+    """`mk.io.synth` writes a mini checkpoint (MXFP4 experts), `mk.io.checkpoint` loads it with the
     experts packed (`experts="mxfp4"`); the kernel streams them packed and dequantizes them in
     VMEM, the reference runs on the loader's bf16 dequantization of the same bytes."""
-    from mk import checkpoint, synth
+    from mk.io import checkpoint, convert, synth
 
     cfg = get_config("mini")
     written = synth.write_checkpoint(cfg, tmp_path, seed=3)
     loaded_cfg, packed = checkpoint.load_with_config(tmp_path, progress=False, experts="mxfp4")
     assert loaded_cfg == cfg and set(packed["moe"]["w1"]) == {"packed", "scale"}
-    params = checkpoint.dequantize_experts(packed)
+    params = convert.dequantize_experts(packed)
     np.testing.assert_array_equal(np.asarray(params["moe"]["w1"], np.float32),
                                   np.asarray(written["moe"]["w1"], np.float32))
     step_fn = make_step_fn(packed, cfg, 2, ctx=CTX, interpret=interpret_params(detect_races=True))
@@ -407,7 +409,7 @@ def test_bit_exact_on_mini_tp8_batch8():
     and delta rule batched over [8, H, D] (now one head of one row at a time, `kda_head`), MLA's
     softmax in one pass (now the online softmax over 128-slot blocks, `attend_block`), and one
     dot over all of K (now 512-deep chunks added in order, `common.mm`, as the kernel's tiles)."""
-    from mk.check import check
+    from mk.kernel.check import check
 
     cfg = get_config("mini-tp8")
     res = check(cfg, batch=8, steps=2, detect_races=False, ctx=128)

@@ -5,27 +5,28 @@ Tolerances, and why. Kernel and sharded reference make the same bf16 roundings (
 reduction is bf16, summed in fp32 in rank order on both sides) and, inside a rank, the same fp32
 summation orders (one head of one row at a time, 128-slot softmax blocks, 512-deep matmul chunks;
 the routed experts expert by expert on all rows, on the kernel's gathered latent layout and tile
-shapes: on one device the kernel equals `mk.reference` bit for bit, tests/test_kernel_paths.py).
+shapes: on one device the kernel equals `mk.model.reference` bit for bit, tests/test_kernel_paths.py).
 The AttnRes mix runs over every snapshot slot (unused ones masked) on both sides: the same
 expression, so XLA fuses and rounds it alike. Where XLA:CPU would round the same expression
 differently depending on the graph around it, the expression is written in the one form both
-sides compile alike: normalizers as `x * rsqrt(y)` (`mk.layers.common.rsqrt`; XLA rewrites
+sides compile alike: normalizers as `x * rsqrt(y)` (`mk.model.layers.common.rsqrt`; XLA rewrites
 `x / sqrt(y)` only where the sqrt has one user, and the references' CSE of a snapshot's statistics
 across layers kept a divide), MLA scores as a matmul (a sum of f32(k) * q is summed in another
 order when the bf16 convert fuses into the reduction). Measured, mini-tp8, 8 steps, `mk check
 --mesh N --batch B --steps 8 --experts E`: every step bit-exact (logits and every cache, 0 ulps)
 for 8 devices MXFP4 B = 1 and 8, bf16 B = 8; 4 devices MXFP4 and bf16 B = 4; 2 devices MXFP4 and
 bf16 B = 2. The tolerances stay the issue's bar: the first step bit for bit; over all steps logits
-within 0.05 x the logit std, greedy tokens equal except at reference near-ties (mk.check.NEAR_TIE),
+within 0.05 x the logit std, greedy tokens equal except at reference near-ties (mk.kernel.check.NEAR_TIE),
 caches within 1 bf16 ulp of each array's scale (its max |value|), for both expert formats.
 """
 import dataclasses
 
 import pytest
 
-from mk import params as params_mod
-from mk.check import MAX_FLIPS, NEAR_TIE, check
-from mk.config import get_config
+from mk.model import params as params_mod
+from mk.kernel.check import MAX_FLIPS, NEAR_TIE, check
+from mk.model.config import get_config
+from mk.kernel.schedule import collective_sequence, collectives_per_step, layer_collectives, phases, remote_bytes_per_step
 
 LOGIT_REL_TOL = 0.05      # x the reference logits' std
 # caches: |kernel - reference| <= this many bf16 ulps of the array's scale (the issue's bar), bf16
@@ -85,8 +86,8 @@ def test_sharded_kernel_mxfp4_latent_slices_at_lane_offsets():
     """latent / devices = 56 (mini-tp8 with latent 448, 8 devices), not a multiple of the 32-row
     MXFP4 scale group: rank r's latent slice sits at lane (r * 56) mod 32 of its block (latent_down
     columns, latent_norm lanes, latent_up rows and the experts' latent rows/columns packed there;
-    `mk.plan.latent_offsets`). One step, B = 1, bit for bit against the sharded reference. (The
-    sharded reference on this config against `mk.reference`, 3 steps, B = 4: logits max |err|
+    `mk.model.layout.latent_offsets`). One step, B = 1, bit for bit against the sharded reference. (The
+    sharded reference on this config against `mk.model.reference`, 3 steps, B = 4: logits max |err|
     0.036, mean 0.006, inside tests/test_reference_sharded.py's tolerances.)"""
     cfg = get_config("mini-tp8").replace(latent=448)
     res = check(cfg, 1, 1, params=params_mod.init(cfg, 0), mesh=8, detect_races=True,
@@ -97,32 +98,32 @@ def test_sharded_kernel_mxfp4_latent_slices_at_lane_offsets():
 
 def test_plan_collectives_are_the_kernels():
     """The collectives the kernel executes are the plan's entries: per layer and per step."""
-    from mk.plan import make_plan
-    from mk.sharding import default_layout
+    from mk.kernel.plan import make_plan
+    from mk.model.sharding import default_layout
 
     cfg = get_config("mini-tp8")
     plan = make_plan(cfg, 1, layout=default_layout(cfg, 8))
-    assert plan.layer_collectives(0) == ("attn_out", "dense_out")
-    assert plan.layer_collectives(1) == ("attn_out", "moe_latent", "moe_routed", "moe_out")
-    assert plan.collectives_per_step == 1 + 2 + 4 * (cfg.layers - 1)
-    assert plan.collective_sequence() == ["embed", "attn_out", "dense_out"] + [
+    assert layer_collectives(plan, 0) == ("attn_out", "dense_out")
+    assert layer_collectives(plan, 1) == ("attn_out", "moe_latent", "moe_routed", "moe_out")
+    assert collectives_per_step(plan) == 1 + 2 + 4 * (cfg.layers - 1)
+    assert collective_sequence(plan) == ["embed", "attn_out", "dense_out"] + [
         "attn_out", "moe_latent", "moe_routed", "moe_out"] * (cfg.layers - 1)
-    assert plan.layer_collectives(cfg.layers) == ()                   # the LM head: vocab-split logits
-    assert plan.remote_bytes_per_step == sum(p.collective_bytes for p in plan.phases if p.kind == "collective")
+    assert layer_collectives(plan, cfg.layers) == ()                   # the LM head: vocab-split logits
+    assert remote_bytes_per_step(plan) == sum(p.collective_bytes for p in phases(plan) if p.kind == "collective")
     one = make_plan(cfg, 1)
-    assert one.collectives_per_step == 0 and not any(p.kind == "collective" for p in one.phases)
+    assert collectives_per_step(one) == 0 and not any(p.kind == "collective" for p in phases(one))
 
 
 def test_two_round_all_reduces_are_plan_entries():
     """A two-round all-reduce is a reduce-scatter and an all-gather phase in the schedule, each
     sending N - 1 chunks of width / N lanes (128-aligned): for K3 on 32 cores, 16x fewer bytes."""
-    from mk.plan import MK, make_plan
-    from mk.sharding import default_layout
+    from mk.kernel.plan import MK, make_plan
+    from mk.model.sharding import default_layout
 
     cfg = get_config("mini-tp8")
     two = make_plan(cfg, 2, layout=default_layout(cfg, 8), options=dataclasses.replace(MK, all_reduce="two_round"))
     assert two.options.kernel
-    assert two.layer_collectives(1) == ("attn_out.scatter", "attn_out.gather", "moe_latent", "moe_routed.scatter",
+    assert layer_collectives(two, 1) == ("attn_out.scatter", "attn_out.gather", "moe_latent", "moe_routed.scatter",
                                         "moe_routed.gather", "moe_out.scatter", "moe_out.gather")
     x = two.collectives["attn_out"]
     assert (x.rounds, x.chunk) == (2, 128) and two.collectives["moe_latent"].rounds == 1
@@ -140,8 +141,8 @@ def test_two_round_all_reduces_are_plan_entries():
 def test_messages_carry_the_token_rows(batch, wire_rows):
     """A message is the step's B token rows in a [B, width] buffer (Mosaic's row tile: 2, 4 or 8
     rows), not the 8-row matmul tile; the plan counts the tile rows, the kernel's buffers are B rows."""
-    from mk.plan import MK, make_plan
-    from mk.sharding import default_layout
+    from mk.kernel.plan import MK, make_plan
+    from mk.model.sharding import default_layout
 
     cfg = get_config("mini-tp8")
     layout = default_layout(cfg, 8)
@@ -151,14 +152,14 @@ def test_messages_carry_the_token_rows(batch, wire_rows):
     x = plan.collectives["attn_out"]
     assert (x.rows, x.message_bytes) == (batch, wire_rows * cfg.dim * 2)
     assert tile.collectives["attn_out"].message_bytes == 8 * cfg.dim * 2
-    assert plan.remote_bytes_per_step * 8 == tile.remote_bytes_per_step * wire_rows
+    assert remote_bytes_per_step(plan) * 8 == remote_bytes_per_step(tile) * wire_rows
     buf = {b.name: b for b in plan.buffers}
     assert buf["landing"].shape == (2, 8, batch, plan.exchange_width) and buf["send"].shape == (2, batch, plan.exchange_width)
 
 
 def test_layout_rule_and_bad_meshes():
-    from mk.plan import PlanError
-    from mk.sharding import default_layout
+    from mk.model.layout import PlanError
+    from mk.model.sharding import default_layout
 
     k3 = default_layout(get_config("k3"), 32)
     assert (k3.tp_attn, k3.ep, k3.tp_expert) == (32, 8, 4)          # the seed's split (spec 3.2)

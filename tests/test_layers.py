@@ -2,7 +2,7 @@
 
 The independent versions below are plain numpy in float64, with the spec's bf16 rounding points
 applied explicitly (`rb`: round to bf16 via float32, like the fp32-then-cast of the code). They
-share nothing with mk.layers but the parameter layout.
+share nothing with mk.model.layers but the parameter layout.
 
 Tolerances. bf16 keeps 8 significant bits, so one rounding moves a value by at most half an ulp
 (2^-8 relative, ulp = 2^(floor(log2|x|) - 7)). The code accumulates in fp32 where the oracle uses
@@ -21,9 +21,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mk import params as mkparams
-from mk.config import get_config
-from mk.layers import attn_res, common, dense_mlp, kda, mla, moe
+from mk.model import params as mkparams
+from mk.model.config import get_config
+from mk.model.layers import attn_res, common, dense_mlp, kda, mla, moe
 
 BF16 = ml_dtypes.bfloat16
 F64 = np.float64

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from mk import hardware as hw
-from mk import microbench as mb
-from mk import sim
+from mk.perf import hardware as hw
+from mk.perf import microbench as mb
+from mk.perf import sim
 from mk.__main__ import main
-from mk.config import get_config
+from mk.model.config import get_config
 
 
 def test_kernels_compute_what_they_time():

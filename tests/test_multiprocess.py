@@ -1,7 +1,7 @@
-"""Multi-process runs of the sharded reference (mk.distributed, `mk logits --mesh`).
+"""Multi-process runs of the sharded reference (mk.cli.distributed, `mk logits --mesh`).
 
 Two CPU processes x 4 virtual devices (gloo collectives, a free localhost port) load a synthetic
-mini-tp8 checkpoint with `mk.checkpoint.load_sharded` (each process reading only its devices'
+mini-tp8 checkpoint with `mk.io.checkpoint.load_sharded` (each process reading only its devices'
 blocks) and run the sharded XLA reference together over the 8-device mesh; their logits must
 equal a single-process run on 8 virtual devices BIT FOR BIT: both run the same per-device
 programs (the mesh, the rank numbering and the rank-ordered bf16-wire sums do not depend on
@@ -19,9 +19,9 @@ import sys
 import numpy as np
 import pytest
 
-from mk import synth
+from mk.io import synth
 from mk.__main__ import main
-from mk.config import get_config
+from mk.model.config import get_config
 
 CFG = get_config("mini-tp8")
 TOKENS = "5,17,3,1000"

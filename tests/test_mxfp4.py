@@ -1,11 +1,11 @@
 """MXFP4 (spec 2.3): the spec test vector, the loader's fast table path vs the plain ml_dtypes
-path, and quantization (mk.synth) that dequantizes exactly to what the checkpoint holds."""
+path, and quantization (mk.io.synth) that dequantizes exactly to what the checkpoint holds."""
 import ml_dtypes
 import numpy as np
 import pytest
 
-from mk.checkpoint import dequantize_mxfp4
-from mk.synth import dequantize_reference, quantize_mxfp4
+from mk.io.convert import dequantize_mxfp4
+from mk.io.synth import dequantize_reference, quantize_mxfp4
 
 BF16 = ml_dtypes.bfloat16
 CODE_VALUES = [0.0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
@@ -98,7 +98,7 @@ def test_zero_group_gets_valid_scale():
 
 def test_loader_fast_path_for_big_matrices_is_exact():
     """The loader's XLA path (matrices >= 256 KiB packed) agrees with the plain path bit for bit."""
-    from mk.checkpoint import _dequant_into, _JAX_MIN_BYTES
+    from mk.io.convert import _dequant_into, _JAX_MIN_BYTES
     rng = np.random.default_rng(4)
     n, half = 512, 512  # K = 1024
     assert n * half >= _JAX_MIN_BYTES // 4

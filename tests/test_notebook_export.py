@@ -13,8 +13,8 @@ import sys
 import nbformat
 import pytest
 
-from mk import notebook_runner
-from mk.notebook_runner import run_all
+from mk.notebooks import runner as notebook_runner
+from mk.notebooks.runner import run_all
 
 import plotly  # noqa: E402,F401  (a declared dependency: a missing one fails)
 
@@ -108,7 +108,7 @@ def test_save_figure_writes_png_in_a_fresh_process(tmp_path):
     if _headless_browser() is None:
         pytest.skip("no headless browser binary (/usr/bin/chromium-headless-shell or chromium; `make browser` "
                     "installs one): kaleido cannot write PNG")
-    code = ("import plotly.graph_objects as go; from mk.notebook_runner import save_figure; "
+    code = ("import plotly.graph_objects as go; from mk.notebooks.runner import save_figure; "
             f"print(save_figure(go.Figure(go.Bar(x=[1], y=[2])), 'f', {str(tmp_path)!r}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
     assert run.returncode == 0, run.stderr
@@ -137,7 +137,7 @@ def test_kernel_is_this_environments_interpreter(tmp_path, monkeypatch):
 
 
 NAMED_FIGURE = """import plotly.graph_objects as go
-from mk.notebook_runner import save_figure
+from mk.notebooks.runner import save_figure
 fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
 print("saved:", save_figure(fig, "bars"))
 fig.show()

@@ -11,7 +11,7 @@ import shutil
 import nbformat
 import pytest
 
-from mk.notebook_runner import NOTEBOOK_DIR, run_all
+from mk.notebooks.runner import NOTEBOOK_DIR, run_all
 
 REPO = NOTEBOOK_DIR.parent
 NOTEBOOK = "02_prefetch_tuning.ipynb"
@@ -46,8 +46,8 @@ def _error(nb):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_notebook_02_fails_on_a_sign_flipped_moe_combine(tmp_path):
-    from mk import synth
-    from mk.config import get_config
+    from mk.io import synth
+    from mk.model.config import get_config
 
     root = tmp_path / "mutant"
     mutated = _mutated_tree(root)

@@ -4,8 +4,8 @@ import os
 import nbformat
 import pytest
 
-from mk import notebook_runner
-from mk.notebook_runner import notebooks, run_all, save_figure
+from mk.notebooks import runner as notebook_runner
+from mk.notebooks.runner import notebooks, run_all, save_figure
 
 NBS = notebooks()
 
@@ -64,8 +64,8 @@ def test_save_figure_falls_back_to_html_without_browser(tmp_path, monkeypatch):
 def test_notebook_model_defaults_to_mini_through_a_synthetic_checkpoint():
     import numpy as np
 
-    from mk import synth
-    from mk.notebook import load_model, model_config, model_name
+    from mk.io import synth
+    from mk.notebooks.helpers import load_model, model_config, model_name
 
     assert model_config() == model_config("mini") and model_name() == "mini"   # CPU backend default
     m = load_model(seed=3)
@@ -78,10 +78,10 @@ def test_notebook_model_defaults_to_mini_through_a_synthetic_checkpoint():
 
 
 def test_notebook_model_from_a_checkpoint_dir(tmp_path):
-    from mk import synth
-    from mk.checkpoint import CheckpointError
-    from mk.config import get_config
-    from mk.notebook import load_model, model_config, model_name
+    from mk.io import synth
+    from mk.io.schema import CheckpointError
+    from mk.model.config import get_config
+    from mk.notebooks.helpers import load_model, model_config, model_name
 
     cfg = get_config("mini").replace(layers=4, full_attention=(3,))
     synth.write_checkpoint(cfg, tmp_path / "tiny-k3", seed=1)
@@ -120,8 +120,8 @@ def test_no_inert_output_checks_and_claims_are_asserted(path):
 
 def test_tpu_default_is_the_chip_sized_model(monkeypatch):
     """On a TPU backend the notebooks run k3-chip (6 GB bf16: fits a 15.7 GiB v5e twice), not k3-slice."""
-    from mk import notebook
-    from mk.config import get_config
+    from mk.notebooks import helpers as notebook
+    from mk.model.config import get_config
     monkeypatch.setattr(notebook, "_backend", lambda: "tpu")
     assert notebook.model_name() == "k3-chip" and notebook.model_config() == get_config("k3-chip")
     assert notebook.plan_config() == get_config("k3-chip")
@@ -161,7 +161,7 @@ planes { id: 2 name: "/host:CPU" lines { id: 1 name: "python" timestamp_ns: 0
 def test_trace_readers_find_the_kernel_and_its_regions():
     from jax.profiler import ProfileData
 
-    from mk.notebook import NotebookError, device_events, kernel_ops, kernel_regions
+    from mk.notebooks.helpers import NotebookError, device_events, kernel_ops, kernel_regions
     ev = device_events(ProfileData.from_text_proto(XSPACE))
     assert set(ev.plane) == {"/device:TPU:0"}                        # host planes are not device time
     ops = kernel_ops(ev)
@@ -179,7 +179,7 @@ def test_trace_readers_find_the_kernel_and_its_regions():
 def test_kernel_sweep_and_verify_times_run_in_interpret_mode():
     """The chip's measurement helpers, on mini in interpret mode (times meaningless, plumbing real):
     weights packed once for two depths, a refused point is a row with its reason."""
-    from mk.notebook import kernel_sweep, load_model, verify_times
+    from mk.notebooks.helpers import kernel_sweep, load_model, verify_times
     m = load_model(seed=0)
     rows = kernel_sweep(m.params, m.cfg, [{"depth": 0}, {"depth": 2}, {"depth": 1, "tile": 100}], steps=1, warmup=1)
     assert [r["depth"] for r in rows[:2]] == [0, 2] and all(r["error"] is None and r["median_ms"] > 0 for r in rows[:2])

@@ -1,8 +1,10 @@
-"""mk.plan: the schedule both the kernel and the simulator read."""
+"""mk.kernel.plan: the schedule both the kernel and the simulator read."""
 import pytest
 
-from mk.config import get_config
-from mk.plan import MiB, PlanError, make_plan, padded_bytes
+from mk.model.config import get_config
+from mk.kernel.plan import MiB, make_plan, padded_bytes
+from mk.kernel.schedule import dmas, phases, schedule
+from mk.model.layout import PlanError
 
 
 def test_padding_rules():
@@ -15,12 +17,12 @@ def test_padding_rules():
 
 def test_stream_covers_every_tile_once():
     plan = make_plan(get_config("mini"), 2, prefetch_depth=3)
-    dense = [d for d in plan.dmas if not d.tensor.startswith("expert")]
+    dense = [d for d in dmas(plan) if not d.tensor.startswith("expert")]
     assert len(dense) == plan.dense_tiles
-    assert [d.index for d in plan.dmas] == list(range(len(plan.dmas)))
-    assert all(d.slot == d.index % plan.num_slots for d in plan.dmas)
+    assert [d.index for d in dmas(plan)] == list(range(len(dmas(plan))))
+    assert all(d.slot == d.index % plan.num_slots for d in dmas(plan))
     # the next layer's first tiles follow this layer's last ones: one stream across layers
-    layers = [d.layer for d in plan.dmas]
+    layers = [d.layer for d in dmas(plan)]
     assert layers == sorted(layers)
     tables = plan.tables()
     assert tables["next_base"][-1] == plan.dense_tiles
@@ -43,7 +45,7 @@ def test_vmem_overflow_refused_with_clear_message():
 
 
 def test_schedule_options_are_points_of_one_space():
-    from mk.plan import CONVENTIONAL, MK, SEED, ScheduleOptions
+    from mk.kernel.plan import CONVENTIONAL, MK, SEED, ScheduleOptions
     assert MK.kernel and not SEED.kernel and not CONVENTIONAL.kernel
     assert ScheduleOptions("other").kernel                     # the name is a label
     diff = SEED.differences(MK)
@@ -62,7 +64,7 @@ def test_schedule_options_are_points_of_one_space():
 def test_options_shape_the_matrices_and_the_schedule():
     """The same make_plan, two points: mk's tiles through one ring, the seed's whole matrices in
     named buffers, its FP8 gate/up, its collectives; the kernel's plan is unchanged by the default."""
-    from mk.plan import MK, SEED
+    from mk.kernel.plan import MK, SEED
     cfg = get_config("mini")
     mk, seed = (make_plan(cfg, 2, options=o, check=False) for o in (MK, SEED))
     assert mk == make_plan(cfg, 2, check=False)
@@ -70,10 +72,10 @@ def test_options_shape_the_matrices_and_the_schedule():
     k3 = {o.name: make_plan(get_config("k3"), 1, options=o, check=False) for o in (MK, SEED)}
     assert k3["seed"].stream(1).matrix("moe.router").n == 512               # the seed streams half the router
     assert k3["mk"].stream(1).matrix("moe.router").n == 896
-    dm, ph = seed.schedule()
+    dm, ph = schedule(seed)
     assert {d.slot for d in dm}.isdisjoint(range(3 * seed.num_slots))   # named buffers, not ring slots
     assert any(d.issue_after >= 0 for d in dm)
-    assert all(d.issue_after == -1 for d in mk.dmas if not d.tensor.startswith("expert["))
-    routing = [p.index for p in mk.phases if p.name == "routing"]
-    assert all(d.issue_after in routing for d in mk.dmas if d.tensor.startswith("expert["))
+    assert all(d.issue_after == -1 for d in dmas(mk) if not d.tensor.startswith("expert["))
+    routing = [p.index for p in phases(mk) if p.name == "routing"]
+    assert all(d.issue_after in routing for d in dmas(mk) if d.tensor.startswith("expert["))
     assert "kda.f_a" in {p.name for p in ph} and "routing" in {p.name for p in ph}

@@ -1,5 +1,5 @@
-"""mk.reference on the mini config: row independence, prefill vs teacher forcing, sampling, and
-that the random weights of mk.params are not chaotic (spec 5: bf16 noise must not grow to O(1)).
+"""mk.model.reference on the mini config: row independence, prefill vs teacher forcing, sampling, and
+that the random weights of mk.model.params are not chaotic (spec 5: bf16 noise must not grow to O(1)).
 
 Every decode here uses batch 1 or 4 and ctx 128, so the suite compiles the step only twice.
 """
@@ -9,9 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mk import params as mkparams
-from mk import reference as ref
-from mk.config import get_config
+from mk.model import params as mkparams
+from mk.model import reference as ref
+from mk.model.config import get_config
 
 CFG = get_config("mini")
 CTX = 128

@@ -1,6 +1,6 @@
-"""mk.reference_sharded: the sharded XLA reference on 1, 2, 4 and 8 virtual CPU devices.
+"""mk.model.reference_sharded: the sharded XLA reference on 1, 2, 4 and 8 virtual CPU devices.
 
-* On a 1-device mesh it is bit-identical to `mk.reference.decode_step` (logits and caches): the
+* On a 1-device mesh it is bit-identical to `mk.model.reference.decode_step` (logits and caches): the
   sharded rounding points (bf16 wire, fp32 sum in rank order) collapse to bf(f32(bf(x))) == bf(x).
 * On N > 1 devices it differs from the single-device reference only by the specified extra
   roundings (spec 3.9 a-c): every split matmul's fp32 partial is rounded to bf16 before the
@@ -11,7 +11,7 @@
   0.051 (0.0064), mini-tp8/2 0.051 (0.0064), mini-tp8/4 0.047 (0.0068). The same step with an
   fp32 wire instead gives a mean error 3-4x smaller, i.e. the difference is the wire rounding, not a wrong split (which gives O(1) errors).
   Tolerances: max |err| <= TOL_MAX = 0.1, mean |err| <= TOL_MEAN = 0.02, greedy tokens equal except
-  at a reference near-tie (top-2 gap < mk.check.NEAR_TIE = 0.05), at most one flip per run; caches
+  at a reference near-tie (top-2 gap < mk.kernel.check.NEAR_TIE = 0.05), at most one flip per run; caches
   relative (Frobenius) error <= TOL_CACHE = 0.05 (measured <= 0.015, kda_state on mini/2).
   A router near-tie (k-th vs (k+1)-th biased score closer than ROUTER_TIE = 0.005, which the
   router's input noise can cross) may pick another expert, a legitimate O(1) change for that row:
@@ -35,12 +35,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mk import params as mkparams
-from mk import reference as ref
-from mk import reference_sharded as rs
-from mk.check import MAX_FLIPS, NEAR_TIE
-from mk.config import get_config
-from mk.sharding import ALL
+from mk.model import params as mkparams
+from mk.model import reference as ref
+from mk.model import reference_sharded as rs
+from mk.kernel.check import MAX_FLIPS, NEAR_TIE
+from mk.model.config import get_config
+from mk.model.sharding import ALL
 
 B, CTX, STEPS = 4, 128, 4     # batch 4, ctx 128: the mini reference compile is shared with test_reference
 FULL = os.environ.get("MK_SHARDED_FULL") == "1"   # also mini-tp8 on 2 and 4 devices
@@ -113,7 +113,7 @@ def test_reduce_bf16_rank_order_and_wire():
         want = want + wire[r]
     assert (bits(got) == bits(want)[None]).all(), (got, want)
     assert not (bits(want) == bits(vals.sum(0))).all()         # the rounding points matter here
-    # rank r of the mesh is ep index r // tp, tp index r % tp (mk.sharding's numbering)
+    # rank r of the mesh is ep index r // tp, tp index r % tp (mk.model.sharding's numbering)
     idx = jax.jit(jax.shard_map(lambda: jax.lax.axis_index(ALL)[None], mesh=mesh, in_specs=(),
                                 out_specs=P(ALL), check_vma=False))()
     assert list(np.asarray(idx)) == list(range(8))

@@ -1,13 +1,13 @@
-"""Hardware tables, per-device byte accounting and the roofline (mk.hardware, mk.roofline)."""
+"""Hardware tables, per-device byte accounting and the roofline (mk.perf.hardware, mk.perf.roofline)."""
 import math
 from pathlib import Path
 
 import pytest
 
-from mk import hardware as hw
-from mk import roofline as rl
-from mk.config import K3Config, get_config
-from mk.plan import SEED_TPU7X16, Layout, PlanError
+from mk.perf import hardware as hw
+from mk.perf import roofline as rl, routing
+from mk.model.config import K3Config, get_config
+from mk.model.layout import SEED_TPU7X16, Layout, PlanError
 
 MiB = 1 << 20
 K3 = K3Config()
@@ -139,8 +139,8 @@ def _mib(plan, layer, name):
 def test_seed_per_rank_matrices_match_spec():
     """Spec 3.3 / 6.2: KDA projections 29.84 MiB, MLA 43.25 MiB (incl. scoped), MoE non-expert
     23.6 MiB (router half 7, latent 8.75, shared 7.9), dense slabs 31.5 + 15.75 MiB: the seed's
-    schedule is mk.plan's matrices shaped by the SEED options (one list of matrices)."""
-    from mk import sim
+    schedule is mk.kernel.plan's matrices shaped by the SEED options (one list of matrices)."""
+    from mk.perf import sim
     p = sim.seed_plan(K3, 1, "tpu-v7x16")
     kda = sum(m.bytes for m in p.stream(1).pre if m.name.startswith("kda.")) / MiB
     mla = sum(m.bytes for m in p.stream(3).pre if m.name.startswith("mla.")) / MiB
@@ -186,12 +186,12 @@ def test_expected_max_binomial_by_enumeration():
     n, p, g = 3, 0.3, 2
     pmf = [math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(n + 1)]
     brute = sum(max(a, b) * pmf[a] * pmf[b] for a in range(n + 1) for b in range(n + 1))
-    assert rl.expected_max_binomial(n, p, g) == pytest.approx(brute)
-    assert rl.expected_max_binomial(n, p, 1) == pytest.approx(n * p)
+    assert routing.expected_max_binomial(n, p, g) == pytest.approx(brute)
+    assert routing.expected_max_binomial(n, p, 1) == pytest.approx(n * p)
 
 
 def test_layout_checks():
-    """One Layout type (mk.plan.Layout) for the kernel, the plans of the seed's systems and the roofline."""
+    """One Layout type (mk.model.layout.Layout) for the kernel, the plans of the seed's systems and the roofline."""
     with pytest.raises(PlanError, match="tp_attn=5 does not divide heads"):
         Layout(16, 2, 5, 8, 4).check(K3)
     with pytest.raises(PlanError, match="positive integer"):
@@ -228,7 +228,7 @@ def test_roofline_floors_and_intensity():
 
 def test_roofline_is_the_plans_entries():
     """The roofline's bytes are the DMAs and cache streams the simulator replays, no second list."""
-    from mk import sim
+    from mk.perf import sim
     r = rl.roofline(K3, 2, 512, system="tpu-v7x16")
     res = sim.model(K3, 2, "tpu-v7x16")
     assert r.total_bytes == pytest.approx(res.bytes_moved, rel=1e-9)

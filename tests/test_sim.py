@@ -1,15 +1,16 @@
-"""The schedule simulator (mk.sim): hand-computable cases, one plan type for the kernel and the model,
+"""The schedule simulator (mk.perf.sim): hand-computable cases, one plan type for the kernel and the model,
 the seed validation, mk's plan, the sensitivity sweep and the modelled trace."""
 import dataclasses
 import json
 
 import pytest
 
-from mk import hardware as hw
-from mk import sim
-from mk.config import K3Config, get_config
-from mk.plan import CONVENTIONAL, MK, SEED, Phase, Plan, WeightDMA, make_plan
-from mk.sim import Machine
+from mk.perf import hardware as hw
+from mk.perf import sim
+from mk.model.config import K3Config, get_config
+from mk.kernel.plan import CONVENTIONAL, MK, SEED, Phase, Plan, WeightDMA, make_plan
+from mk.kernel.schedule import collective_sequence, dmas, layer_collectives, phases, schedule
+from mk.perf.sim import Machine
 
 K3 = K3Config()
 MS = 1e-3
@@ -21,16 +22,17 @@ M = Machine(dma_bw=1e9, dma_latency=0.0, flops={"bf16": 1e12}, vector_flops=1e12
 
 @dataclasses.dataclass
 class HandPlan:
-    """Entries written out by hand, behind the interface the simulator reads from a `mk.plan.Plan`
-    (schedule(), options, prefetch_depth, batch)."""
+    """Entries written out by hand, with what the simulator reads from a `mk.kernel.plan.Plan` besides
+    its schedule (options, prefetch_depth, batch); `replay` hands both to `sim.simulate`."""
     dmas: list
     phases: list
     prefetch_depth: int = 100
     batch: int = 1
     options: object = MK
 
-    def schedule(self, distinct_experts=None):
-        return self.dmas, self.phases
+
+def replay(plan: HandPlan, machine, **kw):
+    return sim.simulate(plan, machine, entries=(plan.dmas, plan.phases), **kw)
 
 
 def mm(i, flops, dmas=(), **kw):
@@ -43,7 +45,7 @@ def dma(i, phase, slot, nbytes=1e6, **kw):
 
 def test_one_dma_one_compute_phase():
     m = dataclasses.replace(M, dma_latency=1e-6)
-    r = sim.simulate(HandPlan([dma(0, 0, 0)], [mm(0, 2e6, [0])]), m)
+    r = replay(HandPlan([dma(0, 0, 0)], [mm(0, 2e6, [0])]), m)
     # latency + bytes / bw + flops / peak
     assert r.step_time == pytest.approx(1e-6 + 1e-3 + 2e-6)
     assert r.bytes_moved == 1e6 and r.weight_bytes == 1e6
@@ -57,7 +59,7 @@ def test_two_slot_ring():
     land at 2 ms; w2 waits for slot 0 (freed when mm0 ends at 4 ms) and lands at 5 ms."""
     dm = [dma(0, 0, 0), dma(1, 1, 1), dma(2, 2, 0)]
     ph = [mm(0, 2e9, [0]), mm(1, 2e9, [1]), mm(2, 2e9, [2])]
-    r = sim.simulate(HandPlan(dm, ph), M)
+    r = replay(HandPlan(dm, ph), M)
     assert [(round(s / MS, 6), round(e / MS, 6)) for s, e, _ in r.tracks["mxu"]] == [(2, 4), (4, 6), (6, 8)]
     # phase_times: from the moment a phase becomes current (waiting included) to its end
     assert [(round(s / MS, 6), round(e / MS, 6)) for *_, s, e in r.phase_times] == [(0, 4), (4, 6), (6, 8)]
@@ -67,7 +69,7 @@ def test_two_slot_ring():
     # three slots: all three share the engine from t = 0 and land together at 3 ms -> 9 ms:
     # more slots in flight make every weight land later (the round-robin effect of spec App. B.2)
     dm3 = [dma(0, 0, 0), dma(1, 1, 1), dma(2, 2, 2)]
-    assert sim.simulate(HandPlan(dm3, ph), M).step_time == pytest.approx(9 * MS)
+    assert replay(HandPlan(dm3, ph), M).step_time == pytest.approx(9 * MS)
 
 
 def test_prefetch_depth_0_vs_2():
@@ -77,14 +79,14 @@ def test_prefetch_depth_0_vs_2():
     4 ms) -> phases at 3-4, 4-5, 5-6 ms."""
     dm = [dma(0, 1, 0), dma(1, 2, 1), dma(2, 3, 2)]
     ph = [mm(0, 3e9), mm(1, 1e9, [0]), mm(2, 1e9, [1]), mm(3, 1e9, [2])]
-    r0 = sim.simulate(HandPlan(dm, ph, prefetch_depth=0), M)
-    r2 = sim.simulate(HandPlan(dm, ph, prefetch_depth=2), M)
+    r0 = replay(HandPlan(dm, ph, prefetch_depth=0), M)
+    r2 = replay(HandPlan(dm, ph, prefetch_depth=2), M)
     assert r0.step_time == pytest.approx(9 * MS)
     assert r2.step_time == pytest.approx(6 * MS)
     assert [round(e / MS, 6) for *_, e in r2.phase_times] == [3, 4, 5, 6]
     # the seed's lookahead ignores the depth window (its `issue_after` anchors decide): all three
     # weights share the engine from t = 0 and land together at 3 ms, as phase 0 ends
-    look = sim.simulate(HandPlan(dm, ph, prefetch_depth=0, options=SEED), M)
+    look = replay(HandPlan(dm, ph, prefetch_depth=0, options=SEED), M)
     assert sorted(e / MS for _, e, _ in look.tracks["dma"]) == [pytest.approx(3)] * 3
     assert look.step_time == pytest.approx(6 * MS)
 
@@ -92,7 +94,7 @@ def test_prefetch_depth_0_vs_2():
 def test_round_robin_sharing():
     """Two descriptors issued together share the bandwidth: 1 MB and 3 MB land at 2 ms and 4 ms."""
     dm = [dma(0, 0, 0, 1e6), dma(1, 0, 1, 3e6)]
-    r = sim.simulate(HandPlan(dm, [mm(0, 0, [0, 1])]), M)
+    r = replay(HandPlan(dm, [mm(0, 0, [0, 1])]), M)
     assert sorted(e / MS for _, e, _ in r.tracks["dma"]) == [pytest.approx(2), pytest.approx(4)]
     assert r.busy("dma busy") == pytest.approx(4 * MS)
 
@@ -139,19 +141,19 @@ def test_phase_costs():
 def test_hbm_stream_writeback_and_pipelined():
     # a vector phase streaming 1 MB of state lasts max(compute, 1 ms); its 2 MB write-back drains after
     ph = [Phase(0, 0, "state", "vector", flops=int(1e8), hbm_bytes=int(1e6), writeback_bytes=int(2e6))]
-    r = sim.simulate(HandPlan([], ph), M)
+    r = replay(HandPlan([], ph), M)
     assert r.phase_times[0][5] == pytest.approx(1 * MS)
     assert r.step_time == pytest.approx(3 * MS)
     assert r.breakdown["write-back drain"] == pytest.approx(2 * MS)
     # pipelined (a GPU kernel): compute overlaps its own weight stream -> max(2 ms DMA, 1 ms compute)
-    r = sim.simulate(HandPlan([dma(0, 0, 0, 2e6)], [mm(0, 1e9, [0], pipelined=True)]), M)
+    r = replay(HandPlan([dma(0, 0, 0, 2e6)], [mm(0, 1e9, [0], pipelined=True)]), M)
     assert r.step_time == pytest.approx(2 * MS)
 
 
 def test_issue_after():
     ph = [mm(0, 3e9), mm(1, 1e9, [0])]
-    assert sim.simulate(HandPlan([dma(0, 1, 0, issue_after=0)], ph), M).step_time == pytest.approx(5 * MS)
-    assert sim.simulate(HandPlan([dma(0, 1, 0)], ph), M).step_time == pytest.approx(4 * MS)
+    assert replay(HandPlan([dma(0, 1, 0, issue_after=0)], ph), M).step_time == pytest.approx(5 * MS)
+    assert replay(HandPlan([dma(0, 1, 0)], ph), M).step_time == pytest.approx(4 * MS)
 
 
 def test_per_op_launch_gaps_and_no_cross_kernel_prefetch():
@@ -161,8 +163,8 @@ def test_per_op_launch_gaps_and_no_cross_kernel_prefetch():
     its DMA unit by unit (not pipelined here): 0 + 1 (A) + 0.5 (gap) + 1 (weight) + 1 (compute) = 3.5 ms."""
     ph = [mm(0, 1e9, kernel="A"), mm(1, 1e9, [0], kernel="B")]
     m = dataclasses.replace(M, launch_gap=0.5 * MS)
-    assert sim.simulate(HandPlan([dma(0, 1, 0)], [mm(0, 1e9), mm(1, 1e9, [0])]), m).step_time == pytest.approx(2 * MS)
-    conv = sim.simulate(HandPlan([dma(0, 1, 0)], ph, options=CONVENTIONAL), m)
+    assert replay(HandPlan([dma(0, 1, 0)], [mm(0, 1e9), mm(1, 1e9, [0])]), m).step_time == pytest.approx(2 * MS)
+    conv = replay(HandPlan([dma(0, 1, 0)], ph, options=CONVENTIONAL), m)
     assert conv.step_time == pytest.approx(3.5 * MS)
     assert conv.breakdown["launch gap"] == pytest.approx(0.5 * MS)
     assert [label for *_, label in conv.tracks["launch"]] == ["launch B"]
@@ -171,25 +173,25 @@ def test_per_op_launch_gaps_and_no_cross_kernel_prefetch():
 def test_overlapped_collective():
     """A 1 ms collective in flight while a 0.6 ms matmul runs: the next phase starts at 1 ms."""
     ph = [Phase(0, 0, "c", "collective", collective_bytes=int(1e6), overlap=1), mm(1, 0.6e9), mm(2, 1e9)]
-    r = sim.simulate(HandPlan([], ph), M)
+    r = replay(HandPlan([], ph), M)
     assert r.step_time == pytest.approx(2 * MS)
     assert r.breakdown["collective bytes"] == pytest.approx(0.4 * MS)
     blocking = [dataclasses.replace(ph[0], overlap=0)] + ph[1:]
-    assert sim.simulate(HandPlan([], blocking), M).step_time == pytest.approx(2.6 * MS)
+    assert replay(HandPlan([], blocking), M).step_time == pytest.approx(2.6 * MS)
 
 
 def test_validation_and_deadlock_messages():
     with pytest.raises(sim.SimError, match="index is 5"):
-        sim.simulate(HandPlan([dma(5, 0, 0)], [mm(0, 1, [5])]), M)
+        replay(HandPlan([dma(5, 0, 0)], [mm(0, 1, [5])]), M)
     with pytest.raises(sim.SimError, match="phase 3 is not a phase index"):
-        sim.simulate(HandPlan([dma(0, 3, 0)], [mm(0, 1)]), M)
+        replay(HandPlan([dma(0, 3, 0)], [mm(0, 1)]), M)
     with pytest.raises(sim.SimError, match="lists dmas"):
-        sim.simulate(HandPlan([dma(0, 0, 0)], [mm(0, 1, [1])]), M)
+        replay(HandPlan([dma(0, 0, 0)], [mm(0, 1, [1])]), M)
     dm = [dma(0, 0, 0), dma(1, 0, 0)]           # both for phase 0, same slot: the phase needs both
     with pytest.raises(sim.SimError, match="deadlock.*slot 0 held by"):
-        sim.simulate(HandPlan(dm, [Phase(0, 0, "x", "mxu", flops=1, rows=1, dmas=(0, 1), pipelined=True)]), M)
+        replay(HandPlan(dm, [Phase(0, 0, "x", "mxu", flops=1, rows=1, dmas=(0, 1), pipelined=True)]), M)
     with pytest.raises(sim.SimError, match="expected a Machine"):
-        sim.simulate(HandPlan([], [mm(0, 1)]), 3.5)
+        replay(HandPlan([], [mm(0, 1)]), 3.5)
 
 
 def test_step_overhead_and_determinism():
@@ -203,11 +205,11 @@ def test_step_overhead_and_determinism():
 
 # ---- one plan type: what the kernel runs is what the simulator replays ------------------------------
 def test_kernel_plan_is_the_simulated_plan_on_mini_tp8():
-    """The kernel's plan for mini-tp8 on 8 devices (built by `mk.kernel.make_step_fn`, which packs the
-    weights for it) is a `mk.plan.Plan` and the simulator replays exactly its entries."""
-    from mk import params as params_mod
-    from mk.kernel import make_step_fn
-    from mk.sharding import default_layout
+    """The kernel's plan for mini-tp8 on 8 devices (built by `mk.kernel.step.make_step_fn`, which packs the
+    weights for it) is a `mk.kernel.plan.Plan` and the simulator replays exactly its entries."""
+    from mk.model import params as params_mod
+    from mk.kernel.step import make_step_fn
+    from mk.model.sharding import default_layout
 
     cfg = get_config("mini-tp8")
     step_fn = make_step_fn(params_mod.init(cfg, 0), cfg, 2, mesh=8)
@@ -216,11 +218,11 @@ def test_kernel_plan_is_the_simulated_plan_on_mini_tp8():
     assert kplan == make_plan(cfg, 2, layout=default_layout(cfg, 8), experts=kplan.experts)
     r = sim.simulate(kplan, "tpu-v7x16")
     assert r.plan is kplan
-    assert r.dmas == kplan.dmas and r.phases == kplan.phases              # same entries, same order
-    assert [p.name for p in r.phases if p.kind == "collective"] == kplan.collective_sequence()
-    assert kplan.layer_collectives(1) == ("attn_out", "moe_latent", "moe_routed", "moe_out")
+    assert r.dmas == dmas(kplan) and r.phases == phases(kplan)              # same entries, same order
+    assert [p.name for p in r.phases if p.kind == "collective"] == collective_sequence(kplan)
+    assert layer_collectives(kplan, 1) == ("attn_out", "moe_latent", "moe_routed", "moe_out")
     # every DMA the kernel issues was replayed, and its bytes moved
-    assert [lab for *_, lab in sorted(r.tracks["dma"]) if "#" in lab] and r.weight_bytes == sum(d.bytes for d in kplan.dmas)
+    assert [lab for *_, lab in sorted(r.tracks["dma"]) if "#" in lab] and r.weight_bytes == sum(d.bytes for d in dmas(kplan))
 
 
 def test_seed_schedule_is_a_plan_with_the_seeds_options():
@@ -228,20 +230,20 @@ def test_seed_schedule_is_a_plan_with_the_seeds_options():
     assert type(p) is Plan and p.options.name == "seed" and not p.options.kernel
     assert p.layout.devices == 32 and (p.layout.tp_attn, p.layout.ep, p.layout.tp_expert) == (32, 8, 4)
     assert (p.expert_gu.format, p.expert_down.format) == ("fp8", "mxfp4")
-    dmas, phases = p.schedule([2] * K3.n_moe)
+    dmas, phases = schedule(p, [2] * K3.n_moe)
     names = {ph.name for ph in phases}
     assert {"attn_pair_exchange", "attn_reduce", "router_exchange", "latent_gather", "moe_reduce_local",
             "moe_reduce_host", "moe_output_gather", "mla_commit", "lm_head"} <= names
     # 8 collective phases per MoE layer at B = 1 (spec 3.8), 12 with the B = 8 recipe (token scatter)
     per_layer = lambda ph, l: sum(x.kind == "collective" and x.layer == l for x in ph)
     assert per_layer(phases, 5) == 8
-    assert per_layer(sim.seed_plan(K3, 8).schedule([2] * K3.n_moe)[1], 5) == 12
+    assert per_layer(schedule(sim.seed_plan(K3, 8), [2] * K3.n_moe)[1], 5) == 12
     # the lookahead: layer 6's attention projections and router wait for layer 5's last expert
     last_expert = max(ph.index for ph in phases if ph.layer == 5 and ph.name.startswith("expert["))
     l6 = [d for d in dmas if d.layer == 6 and d.tensor in ("kda.in", "kda.o", "moe.router")]
     assert len(l6) == 3 and all(d.issue_after == last_expert for d in l6)
     # whole-expert slots: 4 of them, refilled in route order
-    six = p.schedule([6] * K3.n_moe)[0]
+    six = schedule(p, [6] * K3.n_moe)[0]
     slots = [d.slot for d in six if d.layer == 5 and d.tensor.startswith("expert[")]
     assert len(set(slots)) == 8 and slots[:2] == slots[8:10]              # 4 slots x (gate/up, down)
     mk = sim.mk_plan(K3, 1, "tpu-v7x16", experts="bf16", prefetch_depth=4)
@@ -376,7 +378,7 @@ def test_sensitivity_sweeps_every_constant_and_layout():
 
 # ---- the modelled trace --------------------------------------------------------------------------
 def test_trace_opens_with_one_track_per_engine(tmp_path):
-    from mk.trace import write_trace
+    from mk.perf.trace import write_trace
 
     r = sim.model(K3, 1, "tpu-v7x16", record=True)
     path = write_trace(r, tmp_path / "seed.json")
@@ -465,8 +467,8 @@ def test_v5e_system_reads_the_chips_measured_rows_and_its_datasheet(tmp_path):
 
 
 def test_v5e_plan_is_the_kernels_default_plan(v5e):
-    from mk.plan import DEFAULT_PREFETCH_DEPTH, default_tile
-    from mk.schedule import DEQUANT_OPS
+    from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH, default_tile
+    from mk.kernel.schedule import DEQUANT_OPS
     for (e, b), r in v5e.items():
         info, plan = r["mk_plan"], r["_results"]["mk"].plan
         assert "seed" not in r and info["mk_plan"] == "defaults" and plan.chip == "v5e"
@@ -492,7 +494,7 @@ def test_v5e_dequantization_cost_follows_the_named_op_count(monkeypatch, v5e):
     """MXFP4 dequantization on v5e is costed at DEQUANT_OPS[('bf16', 'shift')] vector ops per weight
     (the kernel's integer unpack, `Plan.mxfp4_unpack`) at the measured vector rate: changing the
     count changes the modelled dequantization in proportion; TPU v7's bitcast unpack costs 4."""
-    from mk import schedule
+    from mk.kernel import schedule
     base = v5e["mxfp4", 1]["mk"]["breakdown_s"]["dequant"]
     ops = dict(schedule.DEQUANT_OPS)
     monkeypatch.setitem(schedule.DEQUANT_OPS, ("bf16", "shift"), 2 * ops["bf16", "shift"])

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mk import params as mkparams
-from mk import reference as ref
-from mk.config import get_config
+from mk.model import params as mkparams
+from mk.model import reference as ref
+from mk.model.config import get_config
 
 CFG = get_config("mini")
 CTX = 256
@@ -78,7 +78,7 @@ def test_greedy_speculative_equals_plain_greedy(params):
     """64 tokens from a 72-token prompt (positions 72..135 cross the 128-slot MLA block), k = 3,
     with a drafter whose agreement is scheduled: full (4), zero (1 = every draft forced wrong, a
     rollback of 3 rows), partial acceptance. The tokens equal `reference.generate`'s greedy ones."""
-    from mk import speculative as spec
+    from mk.kernel import speculative as spec
     prompt = np.asarray([(i * 37 + 11) % CFG.vocab for i in range(72)], np.int32)
     plain = ref.generate(params, CFG, prompt, 64, ctx=CTX)["tokens"]
     truth = np.concatenate([prompt[None], plain], 1)
@@ -105,7 +105,7 @@ def test_speculative_sampling_matches_target_distribution():
     deterministic drafter (one-hot q) and from a random proposal q: the first two emitted tokens
     (joint, 36 cells) follow the target's nucleus distribution. 20000 draws, fixed seed;
     chi-square at significance 0.001."""
-    from mk import speculative as spec
+    from mk.kernel import speculative as spec
     V, k, N = 6, 2, 20000
     rng = np.random.default_rng(0)
     table = rng.normal(size=(V, V)) * 1.5                          # target logits given the previous token
@@ -136,7 +136,7 @@ def test_speculative_sampling_on_mini(params):
     """The first emitted token of a speculative step on mini (k = 3, drafts = the target's top
     tokens) follows the target's nucleus distribution p'_0 (temperature 1, top-p 0.9): 4000 draws
     of the acceptance rule on one verify step's logits, chi-square at significance 0.001."""
-    from mk import speculative as spec
+    from mk.kernel import speculative as spec
     cache = cache_near(params, 1, [3])
     logits, _ = ref.verify_step(params, cache, jnp.asarray([[9, 10, 11, 12]], jnp.int32), cfg=CFG, aux_layers=AUX)
     p = np.asarray(spec.nucleus_probs(logits[0] / 0.5, 1.0, 0.9), np.float64)   # sharpen: a ~dozen-token nucleus
@@ -153,7 +153,7 @@ def test_speculative_sampling_on_mini(params):
 
 
 def test_uniforms_reproducible():
-    from mk import speculative as spec
+    from mk.kernel import speculative as spec
     a, b = spec.uniforms(7, 0, 130, 4), spec.uniforms(7, 0, 130, 4)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, spec.uniforms(7, 0, 131, 4)) and not np.array_equal(a, spec.uniforms(7, 1, 130, 4))
@@ -164,7 +164,7 @@ def test_uniforms_reproducible():
 
 def test_drafter_checkpoint_roundtrip_and_errors(tmp_path):
     from safetensors.numpy import load_file, save_file
-    from mk import drafter as D
+    from mk.model import drafter as D
     dc = D.config_for(CFG)
     d = tmp_path / "drafter"
     written = D.write(dc, d, seed=2)

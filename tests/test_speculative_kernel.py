@@ -1,9 +1,9 @@
-"""Speculative decoding through the megakernel (`mk.kernel.KernelVerifier`) on `mini`, in TPU
+"""Speculative decoding through the megakernel (`mk.kernel.step.KernelVerifier`) on `mini`, in TPU
 interpret mode with the race detector on: the kernel's verify step (1 + k rows of one sequence,
-per-row KDA states, state_row rollback, aux rows copied out) against `mk.reference.verify_step`,
+per-row KDA states, state_row rollback, aux rows copied out) against `mk.model.reference.verify_step`,
 and greedy speculative decoding through the kernel against plain greedy decoding.
 
-Tolerances are test_kernel.py's (mk.check): logits within 0.1, caches and states within 0.1, no
+Tolerances are test_kernel.py's (mk.kernel.check): logits within 0.1, caches and states within 0.1, no
 NaN, no race. Measured: the verify step equals the reference bit for bit. Cost: one compile of a
 2-sequence, k = 3 kernel (8 rows, the plan's limit) shared by every test, five kernel steps
 (~5-10 s each in interpret mode with the race detector); prompts are prefilled by the reference.
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import params as mkparams
-from mk import reference as ref
-from mk import speculative as spec
-from mk.check import races_found
+from mk.model import params as mkparams
+from mk.model import reference as ref
+from mk.kernel import speculative as spec
+from mk.kernel.check import races_found
 
 LOGIT_TOL = CACHE_TOL = 0.0     # the verify step equals the reference bit for bit on CPU
-from mk.config import get_config
+from mk.model.config import get_config
 from mk.errors import UserError
 
 CFG = get_config("mini")
@@ -53,7 +53,8 @@ class RaceChecked:
 
 @pytest.fixture(scope="module")
 def verifier(params):
-    from mk.kernel import KernelVerifier, interpret_params
+    from mk.kernel.step import KernelVerifier
+    from mk.kernel.decode import interpret_params
     v = KernelVerifier(params, CFG, B, K, AUX, ctx=CTX, interpret=interpret_params(detect_races=True))
     assert (v.plan.batch, v.plan.sequences, v.plan.k, v.plan.aux_layers) == (B * (1 + K), B, K, AUX)
     return RaceChecked(v)
@@ -134,8 +135,8 @@ def test_greedy_speculative_through_kernel_equals_plain_greedy(params, verifier)
 
 def test_k_beyond_the_plan_is_refused(params):
     """More rows than a step holds: a UserError naming k and the limit, before any weight is packed."""
-    from mk.kernel import KernelVerifier
-    from mk.plan import MAX_ROWS, make_plan
+    from mk.kernel.step import KernelVerifier
+    from mk.kernel.plan import MAX_ROWS, make_plan
     with pytest.raises(UserError, match=rf"k = 4 drafts: a verify step of batch 2 x \(1 \+ k\) = 10 rows exceeds "
                                         rf"the plan's limit of {MAX_ROWS} rows per step \(k <= 3 at batch 2\)"):
         KernelVerifier(params, CFG, 2, 4, AUX)

@@ -1,13 +1,13 @@
-"""mk.tokenizer: the checkpoint's tiktoken encoding, read without executing checkpoint code."""
+"""mk.io.tokenizer: the checkpoint's tiktoken encoding, read without executing checkpoint code."""
 import json
 import os
 import shutil
 
 import pytest
 
-from mk import synth
-from mk.checkpoint import CheckpointError, MissingFileError, TokenizerError
-from mk.tokenizer import ENCODING_NAME, Tokenizer, load_encoding, read_pat_str
+from mk.io import synth
+from mk.io.schema import CheckpointError, MissingFileError, TokenizerError
+from mk.io.tokenizer import ENCODING_NAME, Tokenizer, load_encoding, read_pat_str
 
 VOCAB = 2048  # the mini config
 TEXTS = [

@@ -1,7 +1,7 @@
 """`python -m mk bench`: time the megakernel, the fair XLA step and the reference on this TPU.
 
 Rows (`--json`: {"metadata": {...}, "rows": [...]}): impl, batch, experts, median_ms, min_ms,
-max_ms, steps (timed), hbm_bytes (what the step must read, `mk.bench.step_bytes`: weight_bytes +
+max_ms, steps (timed), hbm_bytes (what the step must read, `mk.perf.bench.step_bytes`: weight_bytes +
 expert_bytes + state_bytes; plan_weight_bytes = the kernel's DMAs), gb_s (hbm_bytes / median),
 frac_datasheet (of the chip's HBM bandwidth), frac_stream (of `mk microbench`'s measured DMA
 stream bandwidth; null if not measured), tok_s (batch / median), kernel_speedup (this impl's
@@ -33,8 +33,8 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from mk import bench
-    from mk.config import get_config
+    from mk.perf import bench
+    from mk.model.config import get_config
 
     bench.require_tpu()                                   # first: nothing is loaded or built on CPU
     batches = int_list(args.batch, "--batch")

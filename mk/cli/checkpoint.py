@@ -19,13 +19,13 @@ import time
 
 from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, on_terminal, step_options,
                            positive_float, positive_int, progress, token_ids)
-from mk.config import ConfigError
+from mk.model.config import ConfigError
 from mk.errors import UserError, creatable_dir, writable_path
 
 
 def parse_overrides(items) -> dict:
     """["dim=1024,layers=16", "full_attention=[3,7]"] -> {"dim": 1024, "layers": 16, ...}."""
-    from mk.config import K3Config
+    from mk.model.config import K3Config
 
     fields = {f.name for f in dataclasses.fields(K3Config)}
     out = {}
@@ -48,7 +48,7 @@ def parse_overrides(items) -> dict:
 
 
 def resolve_config(name: str, overrides=()):
-    from mk.config import get_config
+    from mk.model.config import get_config
 
     cfg = get_config(name)
     kw = parse_overrides(overrides)
@@ -56,14 +56,14 @@ def resolve_config(name: str, overrides=()):
 
 
 def _synth(args) -> int:
-    from mk.checkpoint import checkpoint_bytes
-    from mk.synth import write_checkpoint
+    from mk.io.checkpoint import checkpoint_bytes
+    from mk.io.synth import write_checkpoint
 
     cfg = resolve_config(args.config, args.override)
     creatable_dir(args.out, "--out")
     t = time.perf_counter()
     if args.drafter:
-        from mk import drafter
+        from mk.model import drafter
         dcfg = drafter.config_for(cfg)
         drafter.write(dcfg, args.out, seed=args.seed)
         print(f"wrote drafter {args.out} in {time.perf_counter() - t:.1f} s (hidden={dcfg.hidden}, "
@@ -81,7 +81,7 @@ def teacher_forced_fn(backend: str):
     """`teacher_forced_logits(params, cfg, tokens)` of the reference or the kernel backend."""
     import importlib
 
-    module = "mk.reference" if backend == "reference" else "mk.kernel"
+    module = "mk.model.reference" if backend == "reference" else "mk.kernel.step"
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -96,7 +96,7 @@ def _logits(args) -> int:
     t0, rss0 = time.perf_counter(), rss_bytes()
     rc = _logits_run(args)
     if args.bench and rc == 0:
-        from mk.checkpoint import checkpoint_bytes
+        from mk.io.checkpoint import checkpoint_bytes
         n, peak = checkpoint_bytes(args.checkpoint), peak_rss_bytes()
         res = {"checkpoint": args.checkpoint, "backend": args.backend, "checkpoint_bytes": n,
                "peak_rss_bytes": peak, "peak_rss_over_checkpoint": peak / n, "rss_before_bytes": rss0,
@@ -110,7 +110,7 @@ def _logits(args) -> int:
 
 def _logits_run(args) -> int:
     import numpy as np
-    from mk.checkpoint import load, load_config
+    from mk.io.checkpoint import load, load_config
 
     if (args.tokens is None) == (args.text is None):
         raise UserError("logits: give exactly one of --tokens or --text")
@@ -120,12 +120,12 @@ def _logits_run(args) -> int:
     fn = teacher_forced_fn(args.backend)
     cfg = load_config(args.checkpoint)
     if args.text is not None:
-        from mk.tokenizer import Tokenizer
+        from mk.io.tokenizer import Tokenizer
         tokens = Tokenizer(args.checkpoint).encode(args.text, allow_special=True)
         if not tokens:
             raise UserError("--text: the text encodes to no tokens")
     check_vocab(tokens, cfg.vocab, "--tokens" if args.text is None else "--text")
-    from mk.distributed import is_main_process, mesh_from_args
+    from mk.cli.distributed import is_main_process, mesh_from_args
     mesh = mesh_from_args(args, cfg, args.backend)
     if mesh is not None and args.backend == "kernel":      # the sharded kernel on the mesh's devices
         params = load(args.checkpoint, progress=on_terminal(not args.no_progress), experts="mxfp4")
@@ -135,8 +135,8 @@ def _logits_run(args) -> int:
         print(f"wrote {args.out}: float32 logits {list(logits.shape)} (kernel on {mesh.size} devices)")
         return 0
     if mesh is not None:                                   # the sharded reference over the mesh
-        from mk import reference_sharded
-        from mk.checkpoint import load_sharded
+        from mk.model import reference_sharded
+        from mk.io.checkpoint import load_sharded
         params = load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.no_progress))
         logits = reference_sharded.teacher_forced_logits(params, cfg, tokens, mesh)
         if is_main_process():
@@ -146,7 +146,7 @@ def _logits_run(args) -> int:
     if args.backend == "kernel":
         # the kernel packs its tiles slot by slot as they are read (the loaded tree never exists);
         # MXFP4 experts stay packed (dequantized in VMEM)
-        from mk.checkpoint import Checkpoint
+        from mk.io.checkpoint import Checkpoint
         with Checkpoint(args.checkpoint) as ck, _kernel_steps_progress(len(tokens), enabled=not args.no_progress):
             logits = fn(ck.lazy_params(experts="mxfp4"), cfg, tokens, **step_options(args))
     else:                                                  # the reference reads bf16 experts
@@ -159,8 +159,8 @@ def _logits_run(args) -> int:
 
 
 class _kernel_steps_progress:
-    """A progress bar over the kernel's decode steps while `mk.kernel.teacher_forced_logits` runs
-    (interpret mode on CPU takes seconds per token): for the duration, `mk.kernel.make_step_fn`
+    """A progress bar over the kernel's decode steps while `mk.kernel.step.teacher_forced_logits` runs
+    (interpret mode on CPU takes seconds per token): for the duration, `mk.kernel.step.make_step_fn`
     returns step functions that advance the bar. Without a `make_step_fn` (or off a terminal)
     nothing is wrapped."""
 
@@ -170,7 +170,7 @@ class _kernel_steps_progress:
 
     def __enter__(self):
         import sys as _sys
-        module = _sys.modules.get("mk.kernel")
+        module = _sys.modules.get("mk.kernel.step")
         original = getattr(module, "make_step_fn", None)
         if original is None:
             return self
@@ -258,8 +258,8 @@ def bench_load(path, experts: str = "mxfp4", threads: int = 2, repeat: int = 1, 
     import gc
 
     import jax
-    from mk.checkpoint import Checkpoint, abstract_params, load
-    from mk.params import nbytes
+    from mk.io.checkpoint import Checkpoint, abstract_params, load
+    from mk.model.params import nbytes
 
     with Checkpoint(path) as ck:
         files = ck.shard_files
@@ -299,7 +299,7 @@ def bench_load(path, experts: str = "mxfp4", threads: int = 2, repeat: int = 1, 
 
 def _load(args) -> int:
     import jax
-    from mk.checkpoint import checkpoint_bytes, load
+    from mk.io.checkpoint import checkpoint_bytes, load
 
     if args.bench:
         res = bench_load(args.path, experts=args.experts, threads=args.threads, repeat=args.repeat,
@@ -336,7 +336,7 @@ def add_parser(subparsers):
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--drafter", action="store_true",
-                   help="write a random drafter checkpoint for the config (mk.drafter) instead of the model")
+                   help="write a random drafter checkpoint for the config (mk.model.drafter) instead of the model")
     p.add_argument("--shard-mb", type=positive_float, default=256.0, help="maximum shard size in MiB")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
@@ -352,7 +352,7 @@ def add_parser(subparsers):
                    help="then print the process's peak host RSS against the checkpoint's bytes on disk")
     p.add_argument("--json", action="store_true", help="--bench: print it as one JSON object (last line)")
     add_step_options(p)
-    from mk.distributed import add_distributed_args
+    from mk.cli.distributed import add_distributed_args
     add_distributed_args(p, mesh=False)
     p.set_defaults(func=_logits)
 

@@ -91,7 +91,7 @@ def check_vocab(tokens, vocab: int, option: str) -> None:
 def add_step_options(p) -> None:
     """Options every decode-step command (check, logits, generate, aot) takes."""
     p.add_argument("--mesh", type=positive_int, default=None, metavar="N",
-                   help="split the step over N devices (mk.sharding's rule). On a TPU: the first N "
+                   help="split the step over N devices (mk.model.sharding's rule). On a TPU: the first N "
                         "devices, compiled; on CPU: N virtual devices in TPU interpret mode (set up "
                         "automatically); for aot: the first N cores of --topology. Default: one device "
                         "(all devices of a multi-process job)")
@@ -112,7 +112,7 @@ def add_step_options(p) -> None:
 def step_options(args) -> dict:
     """The kernel's `make_plan` keywords from `add_step_options`' flags: {"options": ScheduleOptions}."""
     import dataclasses
-    from mk.plan import MK
+    from mk.kernel.plan import MK
     return {"options": dataclasses.replace(MK, all_reduce=args.all_reduce, mxfp4_matmul=args.mxfp4_matmul,
                                            mxfp4_unpack=args.mxfp4_unpack)}
 

@@ -8,13 +8,13 @@ each row's decoded text follows on its own line, and [EOS] / <|end_of_msg|> stop
 tokens (one list per row), prompt_tokens, prefill_s (includes compiling the step), decode_s,
 tokens_per_s, backend, config, and the sampling settings.
 
-Weights: `mk.params.init(config, seed)` for `--config` (a preset name or a checkpoint directory's
+Weights: `mk.model.params.init(config, seed)` for `--config` (a preset name or a checkpoint directory's
 config), or the tensors of `--checkpoint DIR`. `--backend kernel` runs the megakernel
-(`mk.kernel.make_step_fn`) with the reference's caches; `reference` (default) the pure-JAX step.
-`--speculative K` decodes speculatively (`mk.speculative`, spec 4.3): K drafts per step from
+(`mk.kernel.step.make_step_fn`) with the reference's caches; `reference` (default) the pure-JAX step.
+`--speculative K` decodes speculatively (`mk.kernel.speculative`, spec 4.3): K drafts per step from
 `--drafter DIR` (a drafter checkpoint, see `mk synth --drafter`; default: a random drafter from
-`mk.drafter.config_for(config)` and --seed), verified as 1 + K rows of one step, on the reference
-or, with `--backend kernel [--mesh N]`, in the megakernel (`mk.kernel.KernelVerifier`: per-row
+`mk.model.drafter.config_for(config)` and --seed), verified as 1 + K rows of one step, on the reference
+or, with `--backend kernel [--mesh N]`, in the megakernel (`mk.kernel.step.KernelVerifier`: per-row
 KDA states, rollback by state_row, the drafter's aux rows copied out by the kernel);
 `--json` adds acceptance lengths, tokens per step and the measured tokens/s (on this host's
 device, named in `device`). `--fixed-acceptance-length L` forces L - 1 accepted drafts per step
@@ -87,7 +87,7 @@ def _check_options(args):
             if value is not None:
                 raise GenerateError(f"{option} needs --speculative K")
     else:
-        from mk.speculative import check_k
+        from mk.kernel.speculative import check_k
         check_k(args.speculative, args.batch)
         if args.coordinator is not None:
             raise GenerateError("--speculative runs in one process (no --coordinator yet)")
@@ -102,9 +102,9 @@ def _check_options(args):
 
 def _model_config(args):
     if args.checkpoint is None:
-        from mk.config import get_config
+        from mk.model.config import get_config
         return get_config(args.config or DEFAULT_CONFIG)
-    return _optional_module("mk.checkpoint", "--checkpoint").load_config(args.checkpoint)
+    return _optional_module("mk.io.checkpoint", "--checkpoint").load_config(args.checkpoint)
 
 
 def _prompt(args, cfg, tokenizer) -> list[int]:
@@ -126,10 +126,10 @@ def _prompt(args, cfg, tokenizer) -> list[int]:
 def _step_fn(args, params, cfg, ctx, mesh=None):
     if args.backend == "reference":
         return None
-    kernel = _optional_module("mk.kernel", "--backend kernel")
+    kernel = _optional_module("mk.kernel.step", "--backend kernel")
     make = getattr(kernel, "make_step_fn", None)
     if make is None:
-        raise BackendError("--backend kernel needs mk.kernel.make_step_fn, which this build does not have yet")
+        raise BackendError("--backend kernel needs mk.kernel.step.make_step_fn, which this build does not have yet")
     return make(params, cfg, args.batch, ctx=ctx, **({} if mesh is None else {"mesh": mesh}), **step_options(args))
 
 
@@ -138,12 +138,12 @@ def run(args) -> int:
     cfg = _model_config(args)
     tokenizer = None
     if args.prompt is not None:                          # text in, text out
-        tokenizer = _optional_module("mk.tokenizer", "--prompt").Tokenizer(args.checkpoint)
+        tokenizer = _optional_module("mk.io.tokenizer", "--prompt").Tokenizer(args.checkpoint)
     prompt = _prompt(args, cfg, tokenizer)
     total = len(prompt) + args.max_new_tokens
 
     import numpy as np
-    from mk import reference
+    from mk.model import reference
 
     ctx = args.ctx or max(reference.DEFAULT_CTX, -(-total // 128) * 128)
     if total > ctx:
@@ -151,24 +151,24 @@ def run(args) -> int:
                             f"= {total} exceed --ctx {ctx}")
     if args.speculative is not None:
         return _run_speculative(args, cfg, prompt, tokenizer)
-    from mk.distributed import is_main_process, mesh_from_args
+    from mk.cli.distributed import is_main_process, mesh_from_args
     mesh = mesh_from_args(args, cfg, args.backend)          # None: one device
     if args.checkpoint is not None:
-        ckpt = _optional_module("mk.checkpoint", "--checkpoint")
+        ckpt = _optional_module("mk.io.checkpoint", "--checkpoint")
         # the kernel streams the checkpoint's MXFP4 experts packed; the reference computes in bf16
         experts = "mxfp4" if args.backend == "kernel" else "bf16"
         params = (ckpt.load(args.checkpoint, progress=on_terminal(not args.json), experts=experts) if mesh is None
                   else ckpt.load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.json), experts=experts))
     else:
-        from mk.params import init
+        from mk.model.params import init
         params = init(cfg, args.seed)
         if mesh is not None:
-            from mk.reference_sharded import shard_params
+            from mk.model.reference_sharded import shard_params
             params = shard_params(params, mesh)
     if mesh is None or args.backend == "kernel":
         step_fn = _step_fn(args, params, cfg, ctx, None if mesh is None else mesh.size)
     else:                                                   # the sharded reference over the mesh
-        from mk.reference_sharded import step_fn_for
+        from mk.model.reference_sharded import step_fn_for
         step_fn = step_fn_for(cfg, mesh)
     stop_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
     bar = None
@@ -216,8 +216,8 @@ def _print_result(args, res: dict, prompt, tokenizer, fields: dict) -> int:
 def _run_speculative(args, cfg, prompt, tokenizer) -> int:
     import jax
     import numpy as np
-    from mk import drafter as mkdrafter
-    from mk import speculative
+    from mk.model import drafter as mkdrafter
+    from mk.kernel import speculative
 
     if args.drafter is not None:                            # validated before the target's weights load
         dcfg, weights = mkdrafter.load(args.drafter, cfg)
@@ -227,15 +227,15 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
     if args.checkpoint is not None:
         # the kernel streams the checkpoint's MXFP4 experts packed; the reference computes in bf16
         experts = "mxfp4" if args.backend == "kernel" else "bf16"
-        params = _optional_module("mk.checkpoint", "--checkpoint").load(
+        params = _optional_module("mk.io.checkpoint", "--checkpoint").load(
             args.checkpoint, progress=on_terminal(not args.json), experts=experts)
     else:
-        from mk.params import init
+        from mk.model.params import init
         params = init(cfg, args.seed)
     ctx = speculative.context_for(len(prompt), args.max_new_tokens, args.speculative, args.ctx)
     verifier = None
     if args.backend == "kernel":
-        kernel = _optional_module("mk.kernel", "--backend kernel")
+        kernel = _optional_module("mk.kernel.step", "--backend kernel")
         verifier = kernel.KernelVerifier(params, cfg, args.batch, args.speculative, dcfg.aux_layers, ctx=ctx,
                                          mesh=args.mesh, **step_options(args))
     res = speculative.generate(params, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)),
@@ -278,7 +278,7 @@ def add_parser(subparsers):
     p.add_argument("--fixed-acceptance-length", type=int, default=None, metavar="L",
                    help="--speculative: accept L - 1 drafts every step (speed only; tokens not meaningful)")
     add_step_options(p)
-    from mk.distributed import add_distributed_args
+    from mk.cli.distributed import add_distributed_args
     add_distributed_args(p, mesh=False)
     p.set_defaults(func=run)
     return p

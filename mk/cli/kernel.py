@@ -1,7 +1,7 @@
 """`check` (kernel vs reference in interpret mode), `aot` (deviceless TPU compile of the sharded
 step for a topology) and `compile-time` (compile time vs depth, megakernel and XLA reference).
 
-`check` exits 0 when the kernel agrees with the reference within the tolerances of `mk.check`
+`check` exits 0 when the kernel agrees with the reference within the tolerances of `mk.kernel.check`
 (printed with the result, and in its JSON with `verdict` and `reasons`), 1 when it does not, and 2
 for bad input.
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 import math
 
-from mk.cli.common import (add_step_options, ctx_int, int_list, nonnegative_int, positive_float,
-                           positive_int, progress, step_options)
+from mk.cli.common import (add_step_options, ctx_int, int_list, nonnegative_int, positive_float, positive_int,
+                           progress, step_options)
 from mk.errors import UserError
 
 
 def add_parser(sub):
     p = sub.add_parser("check", help="run kernel and reference side by side; print their differences",
                        description="Kernel vs reference (TPU interpret mode on CPU). Exit 0: within the "
-                                   "tolerances of mk.check; 1: outside them; 2: bad input.")
+                                   "tolerances of mk.kernel.check; 1: outside them; 2: bad input.")
     p.add_argument("--config", default="mini")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--steps", type=positive_int, default=8)
@@ -59,7 +59,7 @@ def add_parser(sub):
     p.add_argument("--layers", type=positive_int, default=None, help="override the config's layer count")
     p.add_argument("--num-experts", type=positive_int, default=None, help="override the config's routed experts")
     p.add_argument("--reference", action="store_true",
-                   help="compile the XLA reference (mk.reference_sharded over the same mesh) instead")
+                   help="compile the XLA reference (mk.model.reference_sharded over the same mesh) instead")
     p.add_argument("--force", action="store_true", help="compile even if the plan refuses (VMEM)")
     p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
                    help="routed experts' storage: packed MXFP4 (the checkpoint's format, dequantized in "
@@ -93,7 +93,7 @@ def add_parser(sub):
 
 
 def _chip(topology: str) -> str:
-    from mk.aot import chip_of
+    from mk.kernel.aot import chip_of
     try:
         return chip_of(topology)
     except ValueError as e:
@@ -114,7 +114,7 @@ def _tile(text: str | None):
 
 
 def _config(name, layers=None):
-    from mk.config import get_config
+    from mk.model.config import get_config
     cfg = get_config(name)
     if layers and layers != cfg.layers:
         cfg = stacked(cfg, layers)
@@ -129,8 +129,8 @@ def stacked(cfg, layers: int):
 
 def run_check(args) -> int:
     cfg = _config(args.config)
-    from mk.check import check
-    from mk.plan import make_plan
+    from mk.kernel.check import check
+    from mk.kernel.plan import make_plan
 
     if args.speculative:
         return _run_check_speculative(cfg, args)
@@ -138,11 +138,12 @@ def run_check(args) -> int:
         raise UserError(f"--steps ({args.steps}) exceed --ctx {args.ctx}")
     kw = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
     layout = _layout(cfg, args.mesh)
-    from mk.kernel import attached_chip, on_tpu
+    from mk.kernel.step import attached_chip
+    from mk.kernel.decode import on_tpu
     make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=layout, experts=args.experts or "mxfp4",
               chip=attached_chip(), **step_options(args), **kw)   # bad input: before any work
     _enough_devices(args.mesh)
-    from mk.kernel import fits_attached_chip
+    from mk.kernel.step import fits_attached_chip
     if args.exact and on_tpu():
         raise UserError("--exact: bit-identity is the CPU claim (interpret mode); on a TPU the check compares "
                         "the kernel with XLA on the chip")
@@ -163,8 +164,8 @@ def run_check(args) -> int:
 
 
 def _run_check_speculative(cfg, args) -> int:
-    from mk.check import check_speculative
-    from mk.plan import make_plan
+    from mk.kernel.check import check_speculative
+    from mk.kernel.plan import make_plan
 
     k = args.speculative
     if args.prompt_len + args.new_tokens + k + 1 > args.ctx:
@@ -187,8 +188,8 @@ def _run_check_speculative(cfg, args) -> int:
 def _layout(cfg, mesh):
     """The plan layout of `--mesh N` (one device without it); a mesh that does not divide the
     config is a PlanError naming the width at fault."""
-    from mk.plan import Layout
-    from mk.sharding import default_layout
+    from mk.model.layout import Layout
+    from mk.model.sharding import default_layout
     return default_layout(cfg, mesh) if mesh and mesh > 1 else Layout()
 
 
@@ -212,23 +213,26 @@ def _finite(x):
 
 def aot_devices(cfg, topology: str, mesh: int | None) -> int:
     """Cores to compile for: `--mesh`, or the most of `topology`'s that the config divides
-    (`mk.sharding.gcd_devices`: all 32 of tpu7x:4x4x1 for K3)."""
+    (`mk.model.sharding.gcd_devices`: all 32 of tpu7x:4x4x1 for K3)."""
     if mesh:
         return mesh
-    from mk.aot import topology_devices
-    from mk.sharding import gcd_devices
+    from mk.kernel.aot import topology_devices
+    from mk.model.sharding import gcd_devices
     return gcd_devices(cfg, topology_devices(topology))
 
 
 def _weights_table(plan) -> dict:
-    from mk.aot import kernel_weight_shapes
+    from mk.kernel.aot import kernel_weight_shapes
     return {k: {"shape_per_device": list(s), "dtype": str(d), "bytes_per_device": int(math.prod(s)) * d.itemsize}
             for k, (s, d) in kernel_weight_shapes(plan).items()}
 
 
 def run_aot(args) -> int:
-    from mk.aot import compile_kernel, compile_reference, hbm_per_core
-    from mk.plan import COMPILER_ALLOWANCE, PlanError, make_plan
+    from mk.kernel.aot import compile_kernel, compile_reference
+    from mk.perf.hardware import hbm_per_core
+    from mk.kernel.plan import COMPILER_ALLOWANCE, make_plan
+    from mk.kernel.schedule import collectives_per_step, remote_bytes_per_step, routed_expert_bytes_per_step
+    from mk.model.layout import PlanError
     cfg = _config(args.config, args.layers)
     if args.num_experts:
         cfg = cfg.replace(experts=args.num_experts, top_k=min(cfg.top_k, args.num_experts))
@@ -252,9 +256,9 @@ def run_aot(args) -> int:
         plan = make_plan(cfg, args.batch, chip=chip, ctx=args.ctx, check=False, layout=_layout(cfg, devices),
                          experts=args.experts, **step_options(args), **kw)
         out.update(program="megakernel", expert_format=plan.experts, expert_bytes=plan.expert_bytes,
-                   routed_expert_bytes_per_step=plan.routed_expert_bytes_per_step(),
-                   collectives_per_step=plan.collectives_per_step,
-                   remote_bytes_per_step=plan.remote_bytes_per_step,
+                   routed_expert_bytes_per_step=routed_expert_bytes_per_step(plan),
+                   collectives_per_step=collectives_per_step(plan),
+                   remote_bytes_per_step=remote_bytes_per_step(plan),
                    vmem_planned_bytes=plan.vmem_planned_bytes,
                    vmem_planned_buffers_bytes=plan.vmem_planned_bytes - COMPILER_ALLOWANCE,
                    vmem_limit_bytes=plan.vmem_limit, prefetch_depth=plan.prefetch_depth,
@@ -306,8 +310,8 @@ def _print(out, as_json):
 
 
 def _compile_row_in_process(cfg, program, topology, batch, devices, chip, expert_format="mxfp4"):
-    from mk.aot import compile_kernel, compile_reference
-    from mk.plan import make_plan
+    from mk.kernel.aot import compile_kernel, compile_reference
+    from mk.kernel.plan import make_plan
     if program == "xla_reference":
         r = compile_reference(cfg, batch, topology, devices=devices)
     else:
@@ -368,7 +372,7 @@ def compile_times(config, layers, *, experts=None, expert_format="mxfp4", topolo
     kill it after that long (its row then says `timed_out`, `more_than_s`); None: in this process.
     A compile the compiler refuses (e.g. out of HBM) still has its time: the time to the verdict.
     """
-    from mk.config import K3Config
+    from mk.model.config import K3Config
     chip = _chip(topology)
     base = _config(config)
     if experts:

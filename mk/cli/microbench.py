@@ -1,6 +1,6 @@
 """`python -m mk microbench`: measure, on a TPU, the constants `mk simulate` otherwise assumes.
 
-On a TPU VM: times the kernels of `mk.microbench` (MXU weight push, DMA latency and streaming,
+On a TPU VM: times the kernels of `mk.perf.microbench` (MXU weight push, DMA latency and streaming,
 vector rates), prints the curves and the constants, and with `--write FILE` writes a copy of
 data/microbench.csv in which the measured chip's rows (e.g. tpu-v5e on "TPU v5 lite") are added or
 replaced and every other chip's are kept, for `mk simulate --microbench FILE`. Anywhere:
@@ -31,7 +31,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from mk import microbench as mb
+    from mk.perf import microbench as mb
     from mk.cli.common import progress
 
     if args.check or args.compile:

@@ -37,7 +37,7 @@ def _literal(text: str):
 
 def _summarize_outputs(out):
     from pathlib import Path
-    from mk.notebook_runner import _browser
+    from mk.notebooks.runner import _browser
     out = Path(out)
     figs = out / "figures"
     png = sorted(figs.glob("*.png")) if figs.is_dir() else []
@@ -49,7 +49,7 @@ def _summarize_outputs(out):
 
 
 def render(directory) -> int:
-    from mk.notebook_runner import render_figures
+    from mk.notebooks.runner import render_figures
     try:
         paths = render_figures(directory)
     except (FileNotFoundError, RuntimeError) as e:
@@ -71,7 +71,7 @@ def run(args) -> int:
     if not args.out:
         print("error: the following arguments are required: --out (or --render-figures DIR)", file=sys.stderr)
         return 2
-    from mk.notebook_runner import export_available, run_all
+    from mk.notebooks.runner import export_available, run_all
     params = {k: _literal(v) for k, v in args.parameter}
     results = run_all(args.out, params, only=args.only, html=not args.no_html, timeout=args.timeout,
                       transport=args.transport, pause=args.pause, export=False if args.no_export else None)

@@ -1,10 +1,10 @@
 """`python -m mk simulate`: modelled K3 decode throughput of the seed's schedule and of mk's plan.
 
-For each system and batch size, `mk.sim` replays (one device's share of the sharded step):
-  seed  the schedule behind the published figure: the seed's K3 megakernel on TPU v7 (`mk.plan.SEED`),
-        one kernel per op on GB200 (`mk.plan.CONVENTIONAL`, vLLM's decomposition), with the
+For each system and batch size, `mk.perf.sim` replays (one device's share of the sharded step):
+  seed  the schedule behind the published figure: the seed's K3 megakernel on TPU v7 (`mk.kernel.plan.SEED`),
+        one kernel per op on GB200 (`mk.kernel.plan.CONVENTIONAL`, vLLM's decomposition), with the
         published figure and the ratio modelled / published (the model never reads the figure);
-  mk    mk's own plan (`mk.plan.MK`: the kernel's mesh rule, MXFP4 experts; on the seed's system the
+  mk    mk's own plan (`mk.kernel.plan.MK`: the kernel's mesh rule, MXFP4 experts; on the seed's system the
         fastest modelled choices and the deepest ring that fits VMEM, on tpu-v5e the kernel's defaults,
         as timed there), its speed-up over the seed's schedule, its step time over its HBM floor, and
         where it is slower, the bubbles that make it so; where mk's kernel was timed on the chip
@@ -73,7 +73,7 @@ def _trace_paths(path: str, combos: list[tuple]) -> dict[tuple, str]:
 def _check_system(system, plans, mxfp4_matmul, sensitivity=False):
     """One-line refusals of what `system` cannot run: the seed's fp8 schedule or the fp8 MXFP4 path
     on a chip without an fp8 MXU (v5e), mk's kernel off a TPU."""
-    from mk import sim
+    from mk.perf import sim
     no_fp8 = f"{system.name}'s chip {system.chip.name} has no fp8 MXU (data/hardware.csv fp8_flops = 0)"
     if mxfp4_matmul == "fp8" and not sim.has_fp8_mxu(system):
         raise UserError(f"--mxfp4-matmul fp8: {no_fp8}; its kernel runs MXFP4 experts on the bf16 path")
@@ -88,8 +88,9 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
             straggler: bool = True, plans: tuple[str, ...] = ("seed", "mk"), trace: str | None = None,
             microbench: str | None = None, experts: str | None = None, mxfp4_matmul: str | None = None,
             sensitivity: bool = False) -> list[dict]:
-    from mk.config import get_config
-    from mk import conventional, hardware, roofline, sim
+    from mk.model.config import get_config
+    from mk.kernel import conventional
+    from mk.perf import hardware, roofline, sim
 
     cfg = get_config(config)
     ctx = sim.DEFAULT_CONTEXT if context is None else context
@@ -120,13 +121,13 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
                 row["mk_bubbles_s"] = [{"category": c, "extra_s": v} for c, v in row["mk_bubbles_s"]]
             for p, res in r["_results"].items():
                 if (name, b, p) in paths:
-                    from mk.trace import write_trace
+                    from mk.perf.trace import write_trace
                     row.setdefault("trace", {})[p] = write_trace(res, paths[(name, b, p)])
             rows.append(row)
         out.append({
             "config": config, "system": name, "context": ctx, "straggler": straggler,
-            "seed_schedule": ("the seed's K3 megakernel (mk.plan.SEED, spec 3.4-3.8)" if system.program == "megakernel"
-                              else "one kernel per op (mk.plan.CONVENTIONAL; mk.conventional: vLLM's decomposition)"),
+            "seed_schedule": ("the seed's K3 megakernel (mk.kernel.plan.SEED, spec 3.4-3.8)" if system.program == "megakernel"
+                              else "one kernel per op (mk.kernel.plan.CONVENTIONAL; mk.kernel.conventional: vLLM's decomposition)"),
             "layout": system.setup.label(), "layout_source": system.setup.source,
             "layout_assumption": system.setup.assumption,
             "assumptions": system.assumptions() + (["K3-only kernels of the decomposition"]
@@ -186,7 +187,7 @@ def format_table(report: list[dict]) -> str:
         notes += [f"  mk plan: {n}" for n in sorted(plan_notes)]
         info = next((r["mk_plan"] for r in rep["rows"] if "mk_plan" in r), None)
         if info:
-            how = ("the kernel's defaults (mk.kernel.make_step_fn), as timed on the chip" if info["mk_plan"] == "defaults"
+            how = ("the kernel's defaults (mk.kernel.step.make_step_fn), as timed on the chip" if info["mk_plan"] == "defaults"
                    else "per batch the fastest modelled of the choices the kernel runs (tiles, all-reduce rounds, "
                         "MXFP4 MXU path), the deepest ring that fits VMEM")
             notes.append(f"  mk plan: {info['devices']} device(s) (EP{info['ep']} x TP{info['tp_expert']} experts), "
@@ -202,7 +203,7 @@ def format_table(report: list[dict]) -> str:
                              "no measurement confirms yet: `mk microbench` on a TPU times it (mxu.bf16xfp8)")
         lines += notes
         lines.append(("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster); "
-                      if seed else "  ") + "all times modelled (mk.sim)" +
+                      if seed else "  ") + "all times modelled (mk.perf.sim)" +
                      ("; mk measured: mk's kernel timed on the chip (data/published.csv, read after the model)"
                       if measured else ""))
         by = {}
@@ -238,8 +239,8 @@ def format_sensitivity(system: str, rows: list[dict], batches: list[int]) -> str
 
 
 def run(args) -> int:
-    from mk.config import get_config
-    from mk import sim
+    from mk.model.config import get_config
+    from mk.perf import sim
 
     systems = [s.strip() for s in args.system.split(",") if s.strip()]
     batches = _batches(args.batch)
@@ -247,7 +248,7 @@ def run(args) -> int:
     report = collect(args.config, systems, batches, args.context, not args.mean_experts, plans, args.trace,
                      args.microbench, args.experts, args.mxfp4_matmul, args.sensitivity)
     if args.sensitivity:
-        from mk.hardware import get_system
+        from mk.perf.hardware import get_system
         for rep in report:
             system = get_system(rep["system"], microbench_csv=args.microbench)
             rep["sensitivity"] = sim.sensitivity(get_config(args.config), system, batches, rep["context"])

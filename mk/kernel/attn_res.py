@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import jax
 
-from mk.layers.attn_res import mix_candidates
-from mk.layers.common import f32
+from mk.model.layers.attn_res import mix_candidates
+from mk.model.layers.common import f32
 
 
 def mix(p: jax.Array, blocks_ref, n_blocks, w: jax.Array, eps: float) -> jax.Array:

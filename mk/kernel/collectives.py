@@ -43,13 +43,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.layers.common import bf, f32
+from mk.model.layers.common import bf, f32
 
 MESH = pl.DeviceIdType.MESH
 
 
 def device_id(plan, rank: int) -> tuple[int, int]:
-    """Mesh coordinates (ep, tp) of `rank` (row-major, see mk.sharding)."""
+    """Mesh coordinates (ep, tp) of `rank` (row-major, see mk.model.sharding)."""
     return rank // plan.layout.tp_expert, rank % plan.layout.tp_expert
 
 

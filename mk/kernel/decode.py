@@ -1,13 +1,13 @@
 """One K3 decode step = one grid-less `pallas_call` for all layers.
 
 Everything lives in HBM (`memory_space=ANY`) and moves by explicit DMA: the packed weight tiles
-(mk.plan), the routed experts, the per-layer vector tables, the embedding rows, the KDA states
+(mk.kernel.plan), the routed experts, the per-layer vector tables, the embedding rows, the KDA states
 and MLA caches (aliased in place to the outputs). Inside, the layers run in a runtime
 `fori_loop`, so the program does not grow with depth; KDA vs MLA and dense MLP vs MoE are
 `lax.cond` branches. The embedding lookup, the final mix, norm and LM head are inside the kernel
 too: the step is this single call plus two trivial XLA ops (slice of the padded logits, pos + 1).
 
-On a mesh of N devices (mk.sharding) the same kernel runs once per device under `shard_map`,
+On a mesh of N devices (mk.model.sharding) the same kernel runs once per device under `shard_map`,
 on that device's share of the weights, states and caches; six kinds of in-kernel collective
 (mk.kernel.collectives, listed by `Plan.collectives`) join the shares: the embedding sum, the
 attention output projection, layer 0's dense MLP, and the MoE's latent gather, routed sum and
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import K3Config
+from mk.model.config import K3Config
 from mk.kernel import refs as refs_mod
 from mk.kernel.attn_res import mix
 from mk.kernel.collectives import all_reduce, barrier
@@ -41,8 +41,8 @@ from mk.kernel.kda import kda
 from mk.kernel.mla import mla
 from mk.kernel.moe import moe
 from mk.kernel.ring import WeightRing
-from mk.layers.common import bf, f32, rms
-from mk.plan import Plan, vector_rows
+from mk.model.layers.common import bf, f32, rms
+from mk.kernel.plan import Plan, vector_rows
 
 KERNEL_NAME = "k3_decode_step"
 
@@ -223,7 +223,7 @@ def build_call(plan: Plan, interpret=None):
 
 def default_mesh(plan: Plan):
     """The mesh a plan runs on: its N devices of `jax.devices()` (one device: the first)."""
-    from mk.sharding import make_mesh
+    from mk.model.sharding import make_mesh
     return make_mesh(plan.layout)
 
 
@@ -238,7 +238,7 @@ def sharded_block(plan: Plan, mesh, interpret=None):
     cache: pos [S] int32 (position of each sequence's first row), state_row [S] int32 (optional,
     default 0: which of a sequence's rows' states the step starts from), kda_state [S*T, n_kda, H, D,
     D] f32 and conv_state [S*T, n_kda, 3, C-1, HD] bf16 (one state per ROW), mla_k / mla_v [S, n_mla,
-    H, ctx, *] bf16 (per sequence); on a mesh sharded as `mk.sharding.CACHE_SPECS`. tokens [S, T].
+    H, ctx, *] bf16 (per sequence); on a mesh sharded as `mk.model.sharding.CACHE_SPECS`. tokens [S, T].
     block: kda_state / conv_state holding every row's post-state, mla_k / mla_v with every row's key
     and value written (all updated in place: the cache is consumed), pos and state_row (the step's
     own, unchanged: the states they pointed at are overwritten; see `commit`), aux [S, T,
@@ -246,7 +246,7 @@ def sharded_block(plan: Plan, mesh, interpret=None):
     layers), prefix [N, S*T, d] bf16 (every device's final residual prefix p). `commit` turns it into
     the next step's cache."""
     from jax.sharding import PartitionSpec as P
-    from mk.sharding import ALL, CACHE_SPECS
+    from mk.model.sharding import ALL, CACHE_SPECS
 
     N, B, V, S, T = plan.devices, plan.batch, plan.vocab_local, plan.sequences, plan.seq_rows
     n_aux = len(plan.aux_layers)
@@ -307,8 +307,8 @@ def commit(block: dict, count) -> dict:
 
 def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
     """`step(weights, cache, tokens) -> (logits [B, V] f32, cache)`: the decode step, i.e. the
-    T = 1 case of `sharded_block` committed at row 0; weights from `mk.kernel.kernel_weights(plan,
-    params, mesh)`, cache as `mk.reference.init_cache`, tokens [B].
+    T = 1 case of `sharded_block` committed at row 0; weights from `mk.kernel.step.kernel_weights(plan,
+    params, mesh)`, cache as `mk.model.reference.init_cache`, tokens [B].
     return_prefix: also return every device's final residual prefix p, [N, B, d] bf16 (replicated
     state: the same bits on every device)."""
     if plan.seq_rows != 1:
@@ -331,8 +331,8 @@ def sharded_step(plan: Plan, mesh, interpret=None, return_prefix: bool = False):
 def make_decode_step(plan: Plan, interpret=None, mesh=None, return_prefix: bool = False):
     """step(weights, cache, tokens) -> (logits [B, V] f32, new cache); one pallas_call per device.
 
-    weights: `kernel_weights(plan, params, mesh)`; cache: as `mk.reference.init_cache` (same
-    layout; on a mesh, sharded as `mk.sharding.cache_specs`); tokens [B] int32. The cache is
+    weights: `kernel_weights(plan, params, mesh)`; cache: as `mk.model.reference.init_cache` (same
+    layout; on a mesh, sharded as `mk.model.sharding.cache_specs`); tokens [B] int32. The cache is
     donated and updated in place. `mesh`: default `default_mesh(plan)`.
     """
     step = sharded_step(plan, mesh if mesh is not None else default_mesh(plan), interpret, return_prefix)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from mk.kernel.collectives import all_reduce
-from mk.layers.common import bf, situ
+from mk.model.layers.common import bf, situ
 
 
 def dense_mlp(k, m):

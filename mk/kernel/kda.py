@@ -4,9 +4,9 @@ Gate-first order: the small gate path (f_a, f_b) streams in before the fused q|k
 projection. The layer's recurrent and conv states are DMA'd HBM -> VMEM at entry (overlapping
 the projections) and written back in place (the HBM arrays are aliased to the outputs).
 The delta rule runs per (row, head) on a [D, D] fp32 state with elementwise ops: the function
-is `mk.layers.kda.kda_head`, the very one the reference maps over rows and heads.
+is `mk.model.layers.kda.kda_head`, the very one the reference maps over rows and heads.
 
-The row model (`mk.plan.Plan.row_seq`): states live in HBM per ROW, [rows, n_kda, ...]. The
+The row model (`mk.kernel.plan.Plan.row_seq`): states live in HBM per ROW, [rows, n_kda, ...]. The
 first row of a sequence starts from the state of its sequence's row `state_row[seq]` (the row a
 previous verify step accepted; 0 for plain decode), every later row from the row before it: the
 conv and the delta rule chain row to row, in order, and every row's post-state is written back
@@ -20,8 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.kernel.collectives import all_reduce
-from mk.layers.common import bf, f32, sigmoid
-from mk.layers.kda import kda_head
+from mk.model.layers.common import bf, f32, sigmoid
+from mk.model.layers.kda import kda_head
 
 
 def first_of_sequence(r, b: int):

@@ -19,8 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.kernel.collectives import all_reduce
-from mk.layers.common import bf, f32, rms, sigmoid
-from mk.layers.mla import BLOCK, attend_block, softmax_start
+from mk.model.layers.common import bf, f32, rms, sigmoid
+from mk.model.layers.mla import BLOCK, attend_block, softmax_start
 
 
 def _block_copies(r, b, i, j):

@@ -1,15 +1,15 @@
 """K3's latent MoE in the kernel (spec 1.4.5).
 
-Order of the layer's weight stream (see mk.plan): router, then latent_down|shared_gate|shared_up,
+Order of the layer's weight stream (see mk.kernel.plan): router, then latent_down|shared_gate|shared_up,
 shared_down, then the routed experts, then latent_up. Routing runs right after the router
 matmul and publishes the layer's distinct experts (ascending id, union over the batch rows) to
 the ring, which can then fetch expert tiles while the shared expert still computes. (Putting
 latent_down first, so that the latent all-gather also flies during routing, is modelled slower:
-the expert tiles then start later, `mk.sim`.) Each distinct expert is fetched once and applied
+the expert tiles then start later, `mk.perf.sim`.) Each distinct expert is fetched once and applied
 to all rows; rows that did not choose it weigh it by exactly 0, so each row accumulates its own
 experts in ascending id order, as the reference does.
 
-On a mesh (mk.sharding): the router is replicated, so every device makes the same routing
+On a mesh (mk.model.sharding): the router is replicated, so every device makes the same routing
 decisions; a device runs only the chosen experts of its expert group (E / ep of them), over its
 slice of each expert's FFN width. Three collectives:
 
@@ -21,7 +21,7 @@ slice of each expert's FFN width. Three collectives:
 
 The routed and shared partials are summed anyway, so one all-reduce carries both. Rank r's latent
 slice sits at lane `plan.latent_offsets[r]` of its block (its latent_down columns, latent_up rows
-and latent_norm lanes are packed there, `mk.plan.pack_weights`), so MXFP4 scale groups of the expert
+and latent_norm lanes are packed there, `mk.kernel.packing.pack_weights`), so MXFP4 scale groups of the expert
 weights never straddle two blocks; the kernel itself only moves whole blocks.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mk.kernel.collectives import all_reduce, start_all_gather
-from mk.layers.common import bf, f32, rsqrt, sigmoid, situ
+from mk.model.layers.common import bf, f32, rsqrt, sigmoid, situ
 
 
 def route(k, scores_raw, bias):

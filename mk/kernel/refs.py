@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.plan import Buffer, Plan
+from mk.kernel.plan import Buffer, Plan
 
 # Launch inputs in SMEM, per step: tokens [B] and row_pos [B] (each row's token and position; B =
 # plan.batch rows), state_row [S] (per sequence: which of its rows' states in HBM the step starts

@@ -1,6 +1,6 @@
 """The weight ring: every streamed weight tile of the step flows through `num_slots` VMEM slots.
 
-The plan (mk.plan) fixes the order: layer by layer, matrix by matrix, tile by tile; MoE layers
+The plan (mk.kernel.plan) fixes the order: layer by layer, matrix by matrix, tile by tile; MoE layers
 splice in the tiles of each distinct routed expert once the router has chosen them. The ring
 keeps an *issue cursor* (layer, position in that layer's stream) in SMEM, ahead of the consumer:
 
@@ -28,12 +28,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.layers.common import K_CHUNK
-from mk.plan import CODES_PER_WORD, MX_GROUP, SCALES_PER_WORD, Matrix, Plan
+from mk.model.layers.common import K_CHUNK
+from mk.kernel.plan import CODES_PER_WORD, SCALES_PER_WORD, Matrix, Plan
+from mk.model.config import MX_GROUP
 
 
 def group_exponents(scales) -> jax.Array:
-    """scales [tile_k / 128, tile_n] int32 (ref; layout `mk.plan.pack_mxfp4_tiles`) -> the 32-row
+    """scales [tile_k / 128, tile_n] int32 (ref; layout `mk.kernel.packing.pack_mxfp4_tiles`) -> the 32-row
     groups' E8M0 bytes s [tile_k / 32, tile_n] int32, group g in row g. Scale byte j of every word
     is row-group block j."""
     s_words = scales[...]
@@ -43,7 +44,7 @@ def group_exponents(scales) -> jax.Array:
 
 def group_scales(scales) -> jax.Array:
     """scales as `group_exponents` -> the groups' 2^(s - 127) [tile_k / 32, tile_n] f32, built as
-    exponent bits: exact (s in 2..252, `mk.plan.KERNEL_SCALE_RANGE`)."""
+    exponent bits: exact (s in 2..252, `mk.kernel.packing.KERNEL_SCALE_RANGE`)."""
     return jax.lax.bitcast_convert_type(group_exponents(scales) << 23, jnp.float32)
 
 
@@ -62,7 +63,7 @@ def e2m1_bits(nibbles, exponent) -> jax.Array:
 
 
 def unpack_codes(codes, exponent, unpack: str) -> jax.Array:
-    """codes [tile_k / 8, tile_n] int32 ref (layout: `mk.plan.pack_mxfp4_tiles` for `unpack`) ->
+    """codes [tile_k / 8, tile_n] int32 ref (layout: `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`) ->
     [tile_k, tile_n] value(code) * 2^(s - 127) (f32; bf16 for 'bitcast') for exponent rows
     [tile_k, tile_n] int32 ((s - 1) << 23, see `e2m1_bits`).
 
@@ -81,7 +82,7 @@ def unpack_codes(codes, exponent, unpack: str) -> jax.Array:
 
 def dequantize_tile(codes, scales, out, m: Matrix, unpack: str = "shift"):
     """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
-    layout: `mk.plan.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref, exactly
+    layout: `mk.kernel.packing.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref, exactly
     value(code) * 2^(s - 127).
 
     Each group's exponent (s - 1) << 23 (`group_exponents`) is broadcast over its 32 rows and the
@@ -103,8 +104,8 @@ def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix, unpack: str = "s
 
     Exactness: a bf16 x E2M1 product has at most 10 significant bits (exact in fp32), the zeros add
     nothing, and scaling by a power of two commutes with rounding, so the result is the fp32 sum,
-    group by group in order, of the dequantized weights' products: `mk.layers.common.mm` with
-    `k_chunk = MX_GROUP` (what `mk.kernel.expert_k_chunk` tells the references). Per weight: the
+    group by group in order, of the dequantized weights' products: `mk.model.layers.common.mm` with
+    `k_chunk = MX_GROUP` (what `mk.kernel.step.expert_k_chunk` tells the references). Per weight: the
     unpack and its store; the scale multiply-adds are per group."""
     tk, tn = m.tile_k, m.tile_n
     G, R = tk // MX_GROUP, x.shape[0]
@@ -277,7 +278,7 @@ class WeightRing:
                                            r.dequant, m, self.plan.mxfp4_unpack)
                 else:
                     w = self.tile(m, slot)
-                    for c in range(0, tk, chunk):   # K_CHUNK-deep products, summed in order (as mk.layers.common.mm)
+                    for c in range(0, tk, chunk):   # K_CHUNK-deep products, summed in order (as mk.model.layers.common.mm)
                         xk = xbuf[:, pl.ds(pl.multiple_of(k * tk + c, chunk), chunk)]
                         acc = acc + jnp.dot(xk, w[c:c + chunk], preferred_element_type=jnp.float32)
                 self.release(m)

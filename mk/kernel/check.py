@@ -1,0 +1,497 @@
+"""Kernel vs reference: run both on the same tokens and measure how far apart they are.
+
+`check(cfg, batch, steps, prefetch_depth)` starts both from empty caches, feeds a random prompt,
+then continues with the reference's greedy tokens (both see identical inputs every step), and
+compares logits, greedy choices and every cache array after each step. NaN anywhere (either
+side's logits or any cache array) is reported by name and fails the run; `verdict(result)` lists
+every way a result falls outside the tolerances below (`result["verdict"]` is "pass" or "fail").
+
+Three policies, one per place the kernel runs:
+- CPU (TPU interpret mode), default: the tolerances below (a few bf16 ulps, rare near-tie flips).
+- CPU, `exact=True`: every logit and every cache element bit-identical to the reference, greedy
+  tokens equal. What mk claims on CPU (README, docs/numerics.md); tests use it where they claim it.
+- TPU (compiled): the CPU reference is the oracle (bit-exact with the interpreted kernel); the
+  compiled kernel and the XLA reference on the same chip both run from the oracle's cache each step
+  (resynchronised) and the kernel passes when it is no further from the oracle than XLA on the chip
+  is, up to `CHIP_FACTOR` (`check_on_chip`, `chip_verdict`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mk.model.config import K3Config
+from mk.errors import UserError
+from mk.kernel.plan import MK
+from mk.kernel.schedule import collectives_per_step, remote_bytes_per_step
+
+# ---- the tolerances: the one place they are stated (tests/test_kernel.py imports them) ----------
+# Logits are fp32 but depend on hundreds of bf16 roundings; the kernel keeps the reference's
+# rounding points and order (most steps are bit-exact), but an occasional fp32 sum-order difference
+# flips one bf16 rounding, which then propagates. One bf16 ulp at |x| ~ 4 is 2^-6 = 0.016; we allow
+# a few. The logit tolerance is absolute, so it is meaningful only for logits of std ~ 1.
+LOGIT_TOL = 0.1                 # max |kernel - reference| over all logits of the run
+CACHE_TOL = 0.1                 # max |kernel - reference| over every cache / state array
+NEAR_TIE = 0.05                 # a greedy flip is accepted only where the reference's top-2 gap < this
+MAX_FLIPS = 1                   # ... and at most this many per run (a near-tie is rare, not routine)
+LOGIT_SCALE = (0.5, 5.0)        # the reference logits' std must lie in this open range
+PALLAS_CALLS_PER_STEP = 1       # the megakernel: one pallas_call per decode step
+
+TOLERANCES = {"logit_max_abs_err": LOGIT_TOL, "cache_max_abs_err": CACHE_TOL,
+              "greedy_flip_ref_margin_below": NEAR_TIE, "greedy_flips_max": MAX_FLIPS,
+              "logit_scale_range": list(LOGIT_SCALE), "nan": False, "races": 0,
+              "pallas_calls_per_step": PALLAS_CALLS_PER_STEP, "replicated_bit_identical": True}
+
+
+# ---- on a TPU: the kernel against XLA on the same chip, both against the CPU oracle -------------
+CHIP_FACTOR = 2.0               # kernel's distance from the oracle <= CHIP_FACTOR x XLA-on-chip's + floor
+CHIP_ULP_FLOOR = 2              # ... floor: this many bf16 ulps at the array's scale (logits: at |x| = 4)
+ROUTE_NEAR_TIE = 0.005          # a row whose oracle routing margin (score + bias, k-th vs k+1-th) is below
+#                                 this in some MoE layer may pick another expert on the chip: the row is
+#                                 reported and left out of that step's comparison
+CHIP_TOLERANCES = {"factor_vs_xla_on_chip": CHIP_FACTOR, "floor_bf16_ulps": CHIP_ULP_FLOOR,
+                   "route_near_tie_margin": ROUTE_NEAR_TIE, "greedy_flip_ref_margin_below": NEAR_TIE,
+                   "nan": False, "pallas_calls_per_step": PALLAS_CALLS_PER_STEP}
+
+
+def verdict(res: dict) -> list[str]:
+    """Why a `check` result is outside the tolerances above ([] = it passes)."""
+    if res.get("policy") == "chip":
+        return chip_verdict(res)
+    if res.get("policy") == "exact":
+        return exact_verdict(res)
+    reasons = []
+    if res["nan"]:
+        reasons.append(f"NaN in {', '.join(res['nan_arrays'])}")
+    if res.get("replicated_diff"):
+        reasons.append(f"replicated state differs across devices: {', '.join(res['replicated_diff'][:3])}")
+    if res["races"]:
+        reasons.append(f"race detector fired in {res['races']} step(s)")
+    err = res["max_abs_logit_err"]
+    if err is None or not err <= LOGIT_TOL:
+        reasons.append(f"max |logit error| {err} > {LOGIT_TOL}")
+    err = res["cache_max_abs_err"]
+    if err is None or not err <= CACHE_TOL:
+        worst = max(res["cache_max_abs_err_by_array"].items(), key=lambda kv: float("inf") if kv[1] is None else kv[1],
+                    default=("?", None))
+        reasons.append(f"max |cache error| {err} > {CACHE_TOL} (worst: {worst[0]})")
+    far = [f for f in res["greedy_flips"] if not f["ref_margin"] < NEAR_TIE]
+    if far:
+        f = far[0]
+        reasons.append(f"{len(far)} greedy flip(s) away from a near-tie (step {f['step']} row {f['row']}: "
+                       f"reference top-2 gap {f['ref_margin']:.4f} >= {NEAR_TIE})")
+    if len(res["greedy_flips"]) > MAX_FLIPS:
+        reasons.append(f"{len(res['greedy_flips'])} greedy flips > {MAX_FLIPS}")
+    lo, hi = LOGIT_SCALE
+    if not lo < res["logit_scale"] < hi:
+        reasons.append(f"reference logit std {res['logit_scale']} outside ({lo}, {hi}): "
+                       f"the absolute logit tolerance does not apply")
+    if res["pallas_calls_per_step"] != PALLAS_CALLS_PER_STEP:
+        reasons.append(f"{res['pallas_calls_per_step']} pallas_calls per step, expected {PALLAS_CALLS_PER_STEP}")
+    return reasons
+
+
+def _common_reasons(res: dict) -> list[str]:
+    reasons = []
+    if res["nan"]:
+        reasons.append(f"NaN in {', '.join(res['nan_arrays'])}")
+    if res.get("replicated_diff"):
+        reasons.append(f"replicated state differs across devices: {', '.join(res['replicated_diff'][:3])}")
+    if res.get("races"):
+        reasons.append(f"race detector fired in {res['races']} step(s)")
+    if res["pallas_calls_per_step"] != PALLAS_CALLS_PER_STEP:
+        reasons.append(f"{res['pallas_calls_per_step']} pallas_calls per step, expected {PALLAS_CALLS_PER_STEP}")
+    return reasons
+
+
+def exact_verdict(res: dict) -> list[str]:
+    """`check(..., exact=True)`: anything but bit-identical logits, caches and greedy tokens fails."""
+    reasons = _common_reasons(res)
+    if res["max_abs_logit_err"] != 0.0:
+        reasons.append(f"logits not bit-identical: max |error| {res['max_abs_logit_err']}")
+    bad = {n: e for n, e in res["cache_max_abs_err_by_array"].items() if e != 0.0}
+    if bad:
+        reasons.append("caches not bit-identical: " + ", ".join(f"{n} max |error| {e}" for n, e in sorted(bad.items())))
+    if not res["greedy_match"]:
+        reasons.append(f"{len(res['greedy_flips'])} greedy token(s) differ")
+    return reasons
+
+
+def chip_verdict(res: dict) -> list[str]:
+    """A `check_on_chip` result: the kernel's distance from the CPU oracle against XLA-on-chip's."""
+    reasons = _common_reasons(res)
+    for name, (k, x, floor) in res["vs_xla"].items():
+        if k is None or x is None or not k <= CHIP_FACTOR * x + floor:
+            reasons.append(f"{name}: kernel {k} from the oracle > {CHIP_FACTOR} x XLA on chip's {x} + {floor:.3g}")
+    far = [f for f in res["greedy_flips"] if not f["ref_margin"] < f["near_tie_below"]]
+    if far:
+        f = far[0]
+        reasons.append(f"{len(far)} greedy flip(s) away from a near tie (step {f['step']} row {f['row']}: "
+                       f"oracle top-2 gap {f['ref_margin']:.4f} >= {f['near_tie_below']:.4f})")
+    return reasons
+
+
+def _max_abs_diff(a, b) -> tuple[float | None, bool, bool]:
+    """(max |a - b| or None where NaN makes it undefined, a has NaN, b has NaN); exact for ints."""
+    a, b = np.asarray(a), np.asarray(b)
+    if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
+        d = np.abs(a.astype(np.int64) - b.astype(np.int64))
+        return float(d.max()) if d.size else 0.0, False, False
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    a_nan, b_nan = bool(np.isnan(a).any()), bool(np.isnan(b).any())
+    if a_nan or b_nan:
+        return None, a_nan, b_nan
+    d = np.abs(a - b)
+    return (float(d.max()) if d.size else 0.0), False, False
+
+
+def _worst(a: float | None, b: float | None) -> float | None:
+    """Running maximum of errors where None (a NaN was compared) stays None: never Python's
+    max(0.0, nan) == 0.0."""
+    return None if a is None or b is None else max(a, b)
+
+
+def count_pallas_calls(fn, *args) -> int:
+    """Number of pallas_call equations in fn's jaxpr (recursing into sub-jaxprs)."""
+    closed = jax.make_jaxpr(fn)(*args)
+
+    def count(jaxpr) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                n += 1
+                continue
+            for v in eqn.params.values():
+                subs = v if isinstance(v, (list, tuple)) else [v]
+                for s in subs:
+                    if hasattr(s, "jaxpr") and hasattr(s.jaxpr, "eqns"):
+                        n += count(s.jaxpr)
+                    elif hasattr(s, "eqns"):
+                        n += count(s)
+        return n
+    return count(closed.jaxpr)
+
+
+def races_found() -> bool:
+    """Whether TPU interpret mode's race detector flagged anything since it was last reset."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    return bool(ipc.races is not None and ipc.races.races_found)
+
+
+def bf16_scale_ulp(x) -> float:
+    """One bf16 ulp at the largest magnitude of x (the array's scale)."""
+    m = float(np.max(np.abs(np.asarray(x, np.float32)))) if np.size(x) else 0.0
+    return float(2.0 ** (np.floor(np.log2(m)) - 7)) if m > 0 else 2.0 ** -126
+
+
+def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | None = None, *,
+          seed: int = 0, ctx: int = 256, detect_races: bool = True, dma_execution_mode: str = "on_wait",
+          params=None, prompt_len: int = 3, progress: bool = False, mesh: int = 1,
+          experts: str | None = None, all_reduce: str = "one_round", mxfp4_matmul: str = "bf16",
+          mxfp4_unpack: str = "auto", exact: bool = False, fault: str | None = None) -> dict:
+    """mesh > 1: the sharded kernel on `mesh` devices against the sharded reference
+    (`mk.model.reference_sharded`) on the same mesh, which rounds its partial sums the same way.
+
+    experts: the kernel's routed-expert format. "mxfp4": packed E2M1 + E8M0 (params from
+    `mk.io.checkpoint.load(..., experts="mxfp4")`, or `mk.model.params.init` quantized as `mk synth` writes
+    it); the reference runs on their dequantization (`mk.io.convert.dequantize_experts`), the
+    oracle. "bf16": bf16 expert tiles. Default: the format `params` holds (bf16 for init params).
+    all_reduce: the kernel's all-reduce rounds (`mk.kernel.plan.ScheduleOptions.all_reduce`).
+    mxfp4_matmul: how MXFP4 experts meet the MXU (`ScheduleOptions.mxfp4_matmul`); the reference
+    sums the expert matmuls as the kernel does (`mk.kernel.step.expert_k_chunk`).
+    exact: on CPU, pass only if every logit and cache element is bit-identical (`exact_verdict`).
+    fault: a deliberately broken kernel to show the check catches it ("moe_combine_sign": the routed
+    experts' combine weights negated, `mk.kernel.moe`); never for real runs.
+    On a TPU backend the run is `check_on_chip` (module docstring)."""
+    if fault is not None:
+        if fault != "moe_combine_sign":
+            raise UserError(f"fault must be 'moe_combine_sign', found {fault!r}")
+        args = {k: v for k, v in locals().items() if k not in ("cfg", "batch", "steps", "prefetch_depth", "fault")}
+        from mk.kernel.moe import negated_combine
+        with negated_combine():                  # every trace of the kernel in this run has the planted bug
+            return check(cfg, batch, steps, prefetch_depth, **args)
+    from mk.model import params as params_mod
+    from mk.model import reference
+    from mk.kernel.decode import interpret_params, on_tpu
+    from mk.kernel.step import make_step_fn
+    from jax.experimental.pallas import tpu as pltpu
+
+    from mk.io.convert import dequantize_experts
+    from mk.kernel.step import expert_k_chunk, experts_format
+
+    params = params if params is not None else params_mod.init(cfg, seed)
+    experts = experts or experts_format(params)
+    if experts == "mxfp4" and experts_format(params) == "bf16":
+        from mk.io.synth import mxfp4_params
+        params = mxfp4_params(cfg, seed, params)[0]
+    interp = None if on_tpu() else interpret_params(detect_races, dma_execution_mode)
+    kw = {"experts": experts, "options": dataclasses.replace(MK, all_reduce=all_reduce, mxfp4_matmul=mxfp4_matmul,
+                                                             mxfp4_unpack=mxfp4_unpack)}
+    if prefetch_depth is not None:
+        kw["prefetch_depth"] = prefetch_depth
+    step_fn = make_step_fn(params, cfg, batch, ctx=ctx, interpret=interp, mesh=mesh, **kw)
+    plan = step_fn.plan
+    params = dequantize_experts(params)          # the reference's weights: bf16 (the oracle)
+    if on_tpu():
+        if mesh > 1:
+            raise UserError("mk check on a TPU compares one device's kernel (--mesh 1) with XLA on the chip")
+        return check_on_chip(cfg, step_fn, params, batch, steps, ctx=ctx, seed=seed, prompt_len=prompt_len,
+                             progress=progress)
+    if mesh > 1:
+        from mk.model import reference_sharded as rs
+        ref_params = rs.shard_params(params, step_fn.mesh)
+        ref_step = rs.step_fn_for(cfg, step_fn.mesh, expert_k_chunk(plan))
+    else:
+        ref_params = params
+        ref_step = lambda p, c, t: reference.decode_step(p, c, t, cfg=cfg, expert_k_chunk=expert_k_chunk(plan))
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, cfg.vocab, (batch, max(1, min(prompt_len, steps))), dtype=np.int32)
+
+    k_cache = reference.init_cache(cfg, batch, ctx)
+    r_cache = reference.init_cache(cfg, batch, ctx)
+    n_calls = count_pallas_calls(lambda c, t: step_fn(None, c, t), k_cache, jnp.asarray(prompt[:, 0]))
+    worst, scale, greedy, races, cache_err = 0.0, [], True, 0, 0.0
+    nan_arrays: list[str] = []                   # "kernel.cache.mla_k (step 3)", first sighting each
+    cache_by_array: dict[str, float | None] = {}
+    replicated_diff: list[str] = []               # devices whose replicated p differs from device 0's
+    cache_ulp: dict[str, float] = {}             # one bf16 ulp at each array's scale (max |value|)
+    cache_ulps: dict[str, float] = {}            # worst error in those ulps
+    per_step, flips = [], []
+    tokens = jnp.asarray(prompt[:, 0])
+
+    def saw_nan(name, step, has):
+        if has and not any(n.split(" (")[0] == name for n in nan_arrays):
+            nan_arrays.append(f"{name} (step {step})")
+
+    t0 = time.perf_counter()
+    it = range(steps)
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc=f"check B={batch} depth={plan.prefetch_depth}", leave=False, disable=None)
+    for s in it:
+        if not on_tpu():
+            pltpu.reset_tpu_interpret_mode_state()
+        k_logits, k_cache = step_fn(None, k_cache, tokens)
+        k_logits = np.asarray(k_logits)
+        prefix = getattr(step_fn, "last_prefix", None)
+        if prefix is not None and prefix.shape[0] > 1:          # replicated state: same bits everywhere
+            bits = np.asarray(prefix).view(np.uint16)
+            replicated_diff += [f"step {s}: device {d}" for d in range(1, bits.shape[0])
+                                if not np.array_equal(bits[d], bits[0])]
+        races += int(races_found())
+        r_logits, r_cache = ref_step(ref_params, r_cache, tokens)
+        r_logits = np.asarray(r_logits)
+        err, k_nan, r_nan = _max_abs_diff(k_logits, r_logits)
+        saw_nan("kernel.logits", s, k_nan)
+        saw_nan("reference.logits", s, r_nan)
+        worst = _worst(worst, err)
+        scale.append(float(np.std(r_logits)))
+        k_arg, r_arg = k_logits.argmax(-1), r_logits.argmax(-1)
+        same = bool((k_arg == r_arg).all())
+        greedy &= same
+        for row in np.flatnonzero(k_arg != r_arg):   # how close the reference itself was to a tie
+            flips.append({"step": s, "row": int(row), "ref_margin":
+                          float(r_logits[row, r_arg[row]] - r_logits[row, k_arg[row]])})
+        c_err = 0.0
+        for n in sorted(set(k_cache) | set(r_cache)):    # every cache and state array
+            if n not in k_cache or n not in r_cache:
+                raise KeyError(f"cache array {n!r} only in the {'kernel' if n in k_cache else 'reference'}'s cache")
+            e, k_nan, r_nan = _max_abs_diff(k_cache[n], r_cache[n])
+            saw_nan(f"kernel.cache.{n}", s, k_nan)
+            saw_nan(f"reference.cache.{n}", s, r_nan)
+            cache_by_array[n] = _worst(cache_by_array.get(n, 0.0), e)
+            if not (k_nan or r_nan) and n != "pos":
+                cache_ulp[n] = max(cache_ulp.get(n, 0.0), bf16_scale_ulp(r_cache[n]))
+                cache_ulps[n] = max(cache_ulps.get(n, 0.0), (e or 0.0) / cache_ulp[n])
+            c_err = _worst(c_err, e)
+        cache_err = _worst(cache_err, c_err)
+        per_step.append({"step": s, "max_abs_logit_err": err, "greedy_match": same, "cache_max_abs_err": c_err})
+        nxt = s + 1
+        tokens = jnp.asarray(prompt[:, nxt]) if nxt < prompt.shape[1] else jnp.asarray(r_logits.argmax(-1), jnp.int32)
+    elapsed = time.perf_counter() - t0
+    res = {
+        "config": plan.config_name(), "experts": experts, "batch": batch, "steps": steps, "prefetch_depth": plan.prefetch_depth,
+        "num_slots": plan.num_slots, "max_abs_logit_err": worst, "logit_scale": float(np.mean(scale)),
+        "greedy_match": greedy, "greedy_flips": flips, "cache_max_abs_err": cache_err,
+        "cache_max_abs_err_by_array": cache_by_array, "cache_max_bf16_ulps_by_array": cache_ulps,
+        "cache_scale_ulp": cache_ulp,
+        "replicated_bit_identical": not replicated_diff, "replicated_diff": replicated_diff,
+        "devices": plan.devices, "all_reduce": plan.options.all_reduce, "mxfp4_matmul": plan.options.mxfp4_matmul,
+        "collectives_per_step": collectives_per_step(plan),
+        "remote_bytes_per_step": remote_bytes_per_step(plan), "races": races, "nan": bool(nan_arrays),
+        "nan_arrays": nan_arrays, "pallas_calls_per_step": n_calls, "dma_execution_mode": dma_execution_mode,
+        "detect_races": detect_races, "mode": "compiled (TPU)" if on_tpu() else "TPU interpret mode (CPU)",
+        "wall_s": elapsed, "per_step": per_step,
+    }
+    if exact:
+        res["policy"] = "exact"
+    reasons = verdict(res)
+    res.update(verdict="fail" if reasons else "pass", reasons=reasons,
+               tolerances={"bit_identical": True} if exact else dict(TOLERANCES))
+    return res
+
+
+def check_on_chip(cfg: K3Config, step_fn, params: dict, batch: int, steps: int, *, ctx: int = 256, seed: int = 0,
+                  prompt_len: int = 3, progress: bool = False) -> dict:
+    """The compiled kernel (`step_fn`) and `mk.model.reference.decode_step` compiled by XLA for the same
+    chip, each against the reference on JAX's CPU backend (the oracle: bit-exact with the
+    interpreted kernel), over `steps` steps of a random prompt and the oracle's greedy tokens.
+
+    Every step all three start from the oracle's cache (resynchronised), so each step measures one
+    step's error and drift cannot accumulate into a flip. Rows whose oracle routing margin is below
+    ROUTE_NEAR_TIE in some MoE layer are near ties: reported with their margins and left out of that
+    step's comparison. Greedy flips are near ties where the oracle's top-2 gap is below
+    max(NEAR_TIE, 2 x XLA-on-chip's logit error for the step). The verdict (`chip_verdict`): for the
+    logits and every cache array, kernel error <= CHIP_FACTOR x XLA-on-chip error + CHIP_ULP_FLOOR
+    bf16 ulps; `factor` reports the measured ratio."""
+    from mk.model import reference
+    from mk.kernel.step import expert_k_chunk
+
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        raise UserError("mk check on a TPU needs JAX's CPU backend for the oracle (JAX_PLATFORMS must allow cpu)") from None
+    chip = jax.devices()[0]
+    kc = expert_k_chunk(step_fn.plan)
+    ref = functools.partial(reference.decode_step, cfg=cfg, expert_k_chunk=kc)
+    o_params = jax.device_put(params, cpu)
+    x_params = jax.device_put(params, chip)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, cfg.vocab, (batch, max(1, min(prompt_len, steps))), dtype=np.int32)
+    o_cache = jax.device_put(reference.init_cache(cfg, batch, ctx), cpu)
+    fresh = lambda tree, dev: jax.tree.map(lambda x: jax.device_put(np.array(x), dev), tree)   # a copy, always
+    n_calls = count_pallas_calls(lambda c, t: step_fn(None, c, t), fresh(o_cache, chip),
+                                 jnp.asarray(prompt[:, 0]))
+    tokens = prompt[:, 0]
+    worst = {"logits": [0.0, 0.0]}               # name -> [kernel, xla] max |error| over compared rows
+    ulp = {"logits": 2.0 ** -6}                  # one bf16 ulp at |x| = 4 (logits of std ~1)
+    nan_arrays, per_step, flips, near = [], [], [], []
+    t0 = time.perf_counter()
+    it = range(steps)
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc=f"check on chip B={batch}", leave=False, disable=None)
+    for s in it:
+        tok = jnp.asarray(tokens, jnp.int32)
+        k_logits, k_cache = step_fn(None, fresh(o_cache, chip), jax.device_put(tok, chip))   # (donated)
+        x_logits, x_cache = ref(x_params, fresh(o_cache, chip), jax.device_put(tok, chip))
+        o_logits, o_next, margins = ref(o_params, o_cache, jax.device_put(tok, cpu), route_margins=True)
+        o_logits, margins = np.asarray(o_logits), np.asarray(margins)
+        k_logits, x_logits = np.asarray(k_logits), np.asarray(x_logits)
+        tie_rows = sorted(set(np.flatnonzero((margins < ROUTE_NEAR_TIE).any(axis=-1)).tolist()))
+        for r in tie_rows:
+            l = int(np.argmin(margins[r]))
+            near.append({"step": s, "row": r, "moe_layer": l + 1, "route_margin": float(margins[r, l])})
+        rows = np.array([r for r in range(batch) if r not in tie_rows], dtype=np.int64)
+        step_err = {}
+        for name, k, x, o in [("logits", k_logits, x_logits, o_logits)] + [
+                (f"cache.{n}", np.asarray(k_cache[n]), np.asarray(x_cache[n]), np.asarray(o_next[n]))
+                for n in sorted(o_next)]:
+            ek, k_nan, _ = _max_abs_diff(k[rows], o[rows])
+            ex, x_nan, o_nan = _max_abs_diff(x[rows], o[rows])
+            for who, has in (("kernel", k_nan), ("xla", x_nan), ("oracle", o_nan)):
+                if has and f"{who}.{name}" not in nan_arrays:
+                    nan_arrays.append(f"{who}.{name}")
+            if name != "logits" and name not in ulp:
+                ulp[name] = 0.0
+            if name != "logits" and name != "cache.pos":
+                ulp[name] = max(ulp[name], bf16_scale_ulp(o))
+            w = worst.setdefault(name, [0.0, 0.0])
+            w[0], w[1] = _worst(w[0], ek), _worst(w[1], ex)
+            step_err[name] = (ek, ex)
+        k_arg, o_arg = k_logits.argmax(-1), o_logits.argmax(-1)
+        tie_below = max(NEAR_TIE, 2 * (step_err["logits"][1] or 0.0))
+        for r in np.flatnonzero(k_arg != o_arg):
+            flips.append({"step": s, "row": int(r), "ref_margin": float(o_logits[r, o_arg[r]] - o_logits[r, k_arg[r]]),
+                          "near_tie_below": tie_below})
+        per_step.append({"step": s, "logit_err_kernel": step_err["logits"][0], "logit_err_xla": step_err["logits"][1],
+                         "rows_compared": int(rows.size), "greedy_match": bool((k_arg == o_arg).all())})
+        o_cache = o_next
+        tokens = prompt[:, s + 1] if s + 1 < prompt.shape[1] else o_arg.astype(np.int32)
+    vs_xla = {n: (k, x, CHIP_ULP_FLOOR * ulp.get(n, 0.0)) for n, (k, x) in worst.items()}
+    ratios = [k / x for k, x, _ in vs_xla.values() if k is not None and x]
+    plan = step_fn.plan
+    res = {"config": plan.config_name(), "experts": plan.experts, "batch": batch, "steps": steps,
+           "prefetch_depth": plan.prefetch_depth, "num_slots": plan.num_slots, "chip": plan.chip,
+           "mxfp4_unpack": plan.mxfp4_unpack if plan.experts == "mxfp4" else None,
+           "mode": f"compiled ({chip.device_kind}) vs XLA on the chip, oracle: reference on CPU",
+           "policy": "chip", "max_abs_logit_err": worst["logits"][0], "xla_max_abs_logit_err": worst["logits"][1],
+           "factor": max(ratios) if ratios else None,
+           "factor_logits": (worst["logits"][0] / worst["logits"][1]) if worst["logits"][1] else None,
+           "vs_xla": vs_xla, "greedy_flips": flips, "route_near_ties": near, "nan": bool(nan_arrays),
+           "nan_arrays": nan_arrays, "pallas_calls_per_step": n_calls, "races": 0,
+           "wall_s": time.perf_counter() - t0, "per_step": per_step}
+    reasons = chip_verdict(res)
+    res.update(verdict="fail" if reasons else "pass", reasons=reasons, tolerances=dict(CHIP_TOLERANCES))
+    return res
+
+
+def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: int = 1, prompt_len: int = 100,
+                      agree: float = 0.6, seed: int = 0, ctx: int = 256, detect_races: bool = False) -> dict:
+    """Greedy speculative decoding through the kernel's verify step against plain greedy decoding.
+
+    One sequence: a random prompt of `prompt_len` tokens (prefilled by the reference), then
+    `new_tokens` tokens, k drafts per step from `mk.kernel.speculative.AgreeingDrafter`, which proposes
+    the plain greedy continuation with probability `agree` per draft (so steps of full, zero and
+    partial acceptance all occur, and every rejection rolls the KDA/conv state back by its
+    `state_row`). Plain greedy is the oracle: `mk.model.reference.generate`, on `mesh` devices the
+    sharded reference (`mk.model.reference_sharded`), which rounds as the sharded kernel does.
+    Returns {"tokens_equal", "first_difference", "acceptance", "steps", "full", "zero", "partial",
+    "positions", "crosses_mla_block", "races", "seconds", "verdict"}."""
+    from mk.model import params as params_mod
+    from mk.model import reference
+    from mk.kernel import speculative
+    from jax.experimental.pallas import tpu as pltpu
+
+    from mk.kernel.step import KernelVerifier
+    from mk.kernel.decode import interpret_params, on_tpu
+
+    if prompt_len + new_tokens + k + 1 > ctx:
+        raise ValueError(f"prompt_len + new_tokens + k + 1 = {prompt_len + new_tokens + k + 1} exceeds ctx {ctx}")
+    params = params_mod.init(cfg, seed)
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, (1, prompt_len), dtype=np.int32)
+    t0 = time.perf_counter()
+    interp = None if on_tpu() else interpret_params(detect_races)
+    verifier = KernelVerifier(params, cfg, 1, k, ctx=ctx, interpret=interp, mesh=mesh)
+    if mesh > 1:
+        from mk.model import reference_sharded as rs
+        oracle = reference.generate(rs.shard_params(params, verifier.mesh), cfg, prompt, new_tokens, ctx=ctx,
+                                    step_fn=rs.step_fn_for(cfg, verifier.mesh))["tokens"]
+    else:
+        oracle = reference.generate(params, cfg, prompt, new_tokens, ctx=ctx)["tokens"]
+    oracle = np.asarray(oracle)
+    drafter = speculative.AgreeingDrafter(np.concatenate([prompt, oracle], 1), agree=agree, seed=seed,
+                                          vocab=cfg.vocab)
+    races = 0
+
+    class Verifier:                      # counts race-detector findings step by step
+        def __getattr__(self, name):
+            return getattr(verifier, name)
+
+        def verify(self, params, cache, tokens, aux_layers=None):
+            nonlocal races
+            if not on_tpu():
+                pltpu.reset_tpu_interpret_mode_state()
+            out = jax.block_until_ready(verifier.verify(params, cache, tokens, aux_layers))
+            races += int(races_found())
+            return out
+
+    res = speculative.generate(params, cfg, prompt, new_tokens, drafter, k, ctx=ctx, verifier=Verifier(),
+                               reference_prefill=True)
+    got = np.asarray(res["tokens"])
+    acc = [int(a) for a in res["acceptance"][0]]
+    diff = np.flatnonzero(got[0] != oracle[0])
+    out = {"mesh": mesh, "k": k, "new_tokens": new_tokens,
+           "tokens_equal": bool(diff.size == 0), "first_difference": int(diff[0]) if diff.size else None,
+           "acceptance": acc, "steps": len(acc), "full": sum(a == k + 1 for a in acc),
+           "zero": sum(a == 1 for a in acc), "partial": sum(1 < a <= k for a in acc),
+           "positions": [prompt_len, prompt_len + new_tokens - 1],
+           "crosses_mla_block": prompt_len // 128 != (prompt_len + new_tokens - 1) // 128,
+           "races": races, "seconds": time.perf_counter() - t0}
+    out["verdict"] = "pass" if out["tokens_equal"] and not races else "fail"
+    return out

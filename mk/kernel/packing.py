@@ -1,0 +1,295 @@
+"""Laying the weights out in stream order: host side, once per plan.
+
+`pack_weights(plan, params, rank)` cuts rank `rank`'s share of the parameters (`mk.model.sharding`)
+and lays it out as the kernel reads it: every dense tile in `mk.kernel.plan`'s stream order, the
+per-layer vector tables, and the routed experts in the plan's format (bf16 tiles, or MXFP4 codes and
+scales packed into int32 words, `pack_mxfp4_tiles`). The plan describes the layout; this module
+writes it, reading the parameters from `mk.model.params` or a checkpoint (`mk.io.checkpoint`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mk.model.config import MX_GROUP, K3Config
+from mk.kernel.plan import CODES_PER_WORD, SCALES_PER_WORD, Matrix, Plan, PlanError, vector_rows
+
+# E8M0 bytes whose products with every E2M1 magnitude (0.5 .. 6) are normal, finite bf16 values, so
+# the kernel's integer dequantization (exponent arithmetic, no rounding) is exact; 2^(e - 127) for
+# e = 1 makes 0.5 * 2^-126 subnormal, e >= 253 makes 4 * 2^126 overflow.
+KERNEL_SCALE_RANGE = (2, 252)
+
+
+def _dense_matrix(params: dict, cfg: K3Config, m: Matrix, layer: int, latent_offset: int = 0) -> np.ndarray:
+    """The [k_pad, n_pad] bf16 (as float32 values) matrix `m` of `layer`, fused and zero padded.
+    `latent_offset`: this rank's `latent_offsets` entry; latent_down's columns and latent_up's rows
+    start that many lanes into their block."""
+    out = np.zeros((m.k_pad, m.n_pad), np.float32)
+    row = latent_offset if m.name == "moe.latent_up" else 0
+    for p in m.parts:
+        fam, key = p.source
+        if fam == "lm_head":
+            w = params["lm_head"]
+        elif fam == "dense":
+            w = params["dense"][key]
+        else:
+            idx = layer - 1 if fam == "moe" else cfg.family_index(layer)
+            w = params[fam][key][idx]
+        w = np.asarray(w, np.float32)
+        if p.head_pad:
+            h, src, dst = p.head_pad
+            w = np.pad(w.reshape(w.shape[0], h, src), ((0, 0), (0, 0), (0, dst - src))).reshape(w.shape[0], h * dst)
+        col = p.offset + (latent_offset if p.source == ("moe", "latent_down") else 0)
+        out[row:row + w.shape[0], col:col + w.shape[1]] = w
+    return out
+
+
+def tile_matrix(w: np.ndarray, tk: int, tn: int) -> np.ndarray:
+    """[k_pad, n_pad] -> [n_tiles * k_tiles, tk, tn], column block major (the stream order)."""
+    kt, nt = w.shape[0] // tk, w.shape[1] // tn
+    return w.reshape(kt, tk, nt, tn).transpose(2, 0, 1, 3).reshape(nt * kt, tk, tn)
+
+
+def to_latent_blocks(x: np.ndarray, plan: Plan, axis: int) -> np.ndarray:
+    """Lay the latent axis (length `latent`) of x out as the kernel's gathered latent vector:
+    `devices` blocks of `latent_block` lanes, block j holding rank j's slice from lane
+    `latent_offsets[j]` on, zeros elsewhere."""
+    N, lb, offs = plan.devices, plan.latent_block, plan.latent_offsets
+    x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+    per = x.shape[-1] // N
+    out = np.zeros(x.shape[:-1] + (N * lb,), np.float32)
+    for j in range(N):
+        out[..., j * lb + offs[j]:j * lb + offs[j] + per] = x[..., j * per:(j + 1) * per]
+    return np.moveaxis(out, -1, axis)
+
+
+def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
+    """Lay rank `rank`'s share of the parameters out for the kernel. Returns numpy arrays:
+        tiles    [dense_tiles, tile_k, tile_n]                  bf16  every dense tile in stream order
+        vectors  [L + 1, rows, width]                           f32   per-layer vector table (+ globals)
+    and the routed experts, each local expert's [w1|w3] then w2 tiles, in `plan.experts` format:
+        experts        [n_moe, E_local, expert_tiles, tile_k, tile_n]       bf16   ("bf16")
+        expert_codes   [n_moe, E_local, expert_tiles, tile_k / 8, tile_n]   int32  ("mxfp4": E2M1 codes,
+        expert_scales  [n_moe, E_local, expert_tiles, tile_k / 128, tile_n] int32   E8M0 scales; see
+                                                                                   `pack_mxfp4_tiles`)
+    MXFP4 experts come from `mk.io.checkpoint.load(..., experts="mxfp4")`'s tree and stay packed; bf16
+    experts may come from either tree (MXFP4 ones are dequantized).
+    `params` is the whole model (mk.model.params layout); `mk.model.sharding.local_params` cuts the share.
+    """
+    import ml_dtypes
+    from mk.model.sharding import local_params
+
+    cfg = plan.config
+    if not 0 <= rank < plan.devices:
+        raise PlanError(f"rank {rank} outside the plan's {plan.devices} devices")
+    if not plan.layout.single:
+        params = local_params(params, plan.layout, rank)
+    from mk.io.convert import aligned_empty
+
+    # every matrix is tiled straight into its rows of the final array (no list of float32 tiles)
+    tiles = aligned_empty((plan.dense_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
+    off, at = plan.latent_offsets[rank], 0
+    for s in plan.streams:
+        for m in s.pre + s.post:
+            t = tile_matrix(_dense_matrix(params, cfg, m, s.layer, off), plan.tile_k, plan.tile_n)
+            tiles[at:at + t.shape[0]] = t
+            at += t.shape[0]
+    assert at == plan.dense_tiles, (at, plan.dense_tiles)
+
+    out = {"tiles": tiles, "vectors": pack_vectors(plan, params, rank)}
+    if plan.experts == "mxfp4":
+        out.update(_pack_mxfp4_experts(plan, params))
+    else:
+        out["experts"] = _pack_bf16_experts(plan, params)
+    return out
+
+
+def _expert_family(params: dict, key: str):
+    """params["moe"][key] as bf16-valued [n_moe, E, K, N] (an MXFP4 leaf is dequantized)."""
+    w = params["moe"][key]
+    if isinstance(w, dict):
+        from mk.io.convert import dequantize_mxfp4
+        return dequantize_mxfp4(w["packed"], w["scale"])
+    return w
+
+
+def _pack_bf16_experts(plan: Plan, params: dict) -> np.ndarray:
+    import ml_dtypes
+    cfg = plan.config
+    E = plan.local_experts
+    experts = np.zeros((cfg.n_moe, E, plan.expert_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
+    gu, dn = plan.expert_gu, plan.expert_down
+    fe = cfg.expert_hidden // plan.layout.tp_expert
+    w1f, w3f, w2f = (_expert_family(params, k) for k in ("w1", "w3", "w2"))
+    for i in range(cfg.n_moe):
+        w1, w3 = (to_latent_blocks(f[i], plan, axis=1) for f in (w1f, w3f))     # [E, Lp, fe]
+        w2 = to_latent_blocks(w2f[i], plan, axis=2)                               # [E, fe, Lp]
+        for e in range(E):
+            a = np.zeros((gu.k_pad, gu.n_pad), np.float32)
+            a[:w1.shape[1], gu.part("w1").offset:gu.part("w1").offset + fe] = w1[e]
+            a[:w3.shape[1], gu.part("w3").offset:gu.part("w3").offset + fe] = w3[e]
+            b = np.zeros((dn.k_pad, dn.n_pad), np.float32)
+            b[:fe, :w2.shape[2]] = w2[e]
+            experts[i, e] = np.concatenate([tile_matrix(a, plan.tile_k, plan.tile_n),
+                                            tile_matrix(b, plan.tile_k, plan.tile_n)]).astype(ml_dtypes.bfloat16)
+    return experts
+
+
+# ---- MXFP4 expert tiles -------------------------------------------------------------------------
+# One [tile_k, tile_n] tile of an mxfp4 matrix (kernel orientation: rows = K, the contraction) is
+#     codes  int32 [tile_k / 8, tile_n]:   bits 4j..4j+3 of word [i, n] = E2M1 code of row 8i + j
+#     scales int32 [tile_k / 128, tile_n]: bits 8j..8j+7 of word [i, n] = E8M0 byte of row group j * tile_k / 128 + i
+# (row group g = rows 32g .. 32g + 31). Codes are interleaved as `pltpu.bitcast` unpacks them (spec
+# 2.3's kernel layout); scale byte j of the words covers a contiguous block of groups, unpacked
+# with one shift and mask. Padding is code 0 (+0.0) with scale byte 127. The bits are the
+# checkpoint's own; only their positions change.
+MXFP4_PAD_SCALE = 127
+EXPERT_CHUNK_BYTES = 16 << 20   # experts packed at a time: about this many bytes of [K, N] codes
+
+
+def mxfp4_codes_kn(packed: np.ndarray) -> np.ndarray:
+    """Checkpoint packed bytes u8 [..., N, K/2] (element 2j in the low nibble) -> codes u8 [..., K, N]."""
+    packed = np.asarray(packed, np.uint8)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)   # [..., N, K]
+    return np.swapaxes(codes, -1, -2)
+
+
+def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
+                     unpack: str = "bitcast") -> tuple[np.ndarray, np.ndarray]:
+    """codes u8 [..., k_pad, n_pad] (values 0..15), scales u8 [..., k_pad / 32, n_pad] -> the
+    stream-ordered tiles: (codes int32 [..., T, tk / 8, tn], scales int32 [..., T, tk / 128, tn]).
+
+    Code words, by how the kernel unpacks them (`Plan.mxfp4_unpack`): 'bitcast': word w holds tile
+    rows 8w .. 8w + 7 of a column, row 8w + j in bits 4j .. 4j + 3 (spec 2.3's kernel layout, the
+    order in which `pltpu.bitcast` unpacks an int32 [r, n] into E2M1 [8r, n]); 'shift': planes, row
+    j * tk / 8 + w in bits 4j .. 4j + 3 (a shift by 4j gives rows j * tk / 8 .. as one block).
+    Scale byte j of word w is row-group block j (group j * tk / 128 + w)."""
+    if unpack not in ("bitcast", "shift"):
+        raise PlanError(f"unpack must be 'bitcast' or 'shift', found {unpack!r}")
+    *lead, kp, npad = codes.shape
+    kt, nt = kp // tk, npad // tn
+
+    def tiles(x, rows):                     # [..., kt * rows, nt * tn] -> [..., nt * kt, rows, tn]
+        x = x.reshape(*lead, kt, rows, nt, tn)
+        x = np.moveaxis(x, -2, -4)          # [..., nt, kt, rows, tn]
+        return x.reshape(*lead, nt * kt, rows, tn)
+
+    def words(x, per, bits, interleaved):   # [..., T, per * r, tn] -> [..., T, r, tn] int32
+        r = x.shape[-2] // per
+        if interleaved:                     # part j of word w: row per * w + j
+            x = np.moveaxis(x.reshape(*x.shape[:-2], r, per, tn), -2, -3)
+        else:                               # part j of word w: row j * r + w
+            x = x.reshape(*x.shape[:-2], per, r, tn)
+        w = np.zeros(x.shape[:-3] + x.shape[-2:], np.uint32)
+        for j in range(per):                # widened one code plane at a time (bounded temporaries)
+            w |= x[..., j, :, :].astype(np.uint32) << np.uint32(bits * j)
+        return w.view(np.int32)
+
+    return (words(tiles(codes, tk), CODES_PER_WORD, 4, unpack == "bitcast"),
+            words(tiles(scales, tk // MX_GROUP), SCALES_PER_WORD, 8, False))
+
+
+def check_kernel_scales(scale: np.ndarray, what: str):
+    """Refuse E8M0 bytes outside KERNEL_SCALE_RANGE (see there), naming the tensor and index."""
+    lo, hi = KERNEL_SCALE_RANGE
+    s = np.asarray(scale, np.uint8)
+    bad = (s < lo) | (s > hi)
+    if bad.any():
+        pos = tuple(int(x) for x in np.argwhere(bad)[0])
+        raise PlanError(f"{what}: E8M0 scale byte {int(s[pos])} at {list(pos)} is outside {lo}..{hi}, "
+                        f"where every E2M1 value times the scale is a normal, finite bf16 number; the "
+                        f"kernel's in-VMEM dequantization would not be exact (use experts='bf16')")
+
+
+def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
+    """Rank's share of the MXFP4 experts (params["moe"]["w1"/"w3"/"w2"] = {"packed", "scale"} in
+    checkpoint orientation, already cut to this rank) -> expert_codes / expert_scales
+    [n_moe, E_local, expert_tiles, rows, tile_n] int32, never expanded to bf16."""
+    cfg = plan.config
+    leaves = {k: params["moe"][k] for k in ("w1", "w3", "w2")}
+    for k, w in leaves.items():
+        if not isinstance(w, dict):
+            raise PlanError(f"experts='mxfp4' needs the routed experts as MXFP4 (moe.{k} = {{'packed', "
+                            f"'scale'}}, mk.io.checkpoint.load(..., experts='mxfp4')); moe.{k} is a "
+                            f"{np.asarray(w).dtype} array")
+    gu, dn = plan.expert_gu, plan.expert_down
+    tk, tn, E = plan.tile_k, plan.tile_n, plan.local_experts
+    fe = cfg.expert_hidden // plan.layout.tp_expert
+    N, lb, per, offs = plan.devices, plan.latent_block, cfg.latent // plan.devices, plan.latent_offsets
+    T = plan.expert_tiles
+    from mk.io.convert import aligned_empty
+
+    codes_out = aligned_empty((cfg.n_moe, E, T, gu.code_rows, tn), np.int32)
+    scales_out = aligned_empty((cfg.n_moe, E, T, gu.scale_rows, tn), np.int32)
+    g_lb = lb // MX_GROUP
+    # rank j's slice lands at lane offs[j] of block j: padded group j * g_lb + q holds rows of the
+    # one source group (j * per - offs[j]) / 32 + q (and zeros), so it takes that group's scale
+    blocks = [(j * lb + offs[j], j * per, j * g_lb, (j * per - offs[j]) // MX_GROUP,
+               -(-(offs[j] + per) // MX_GROUP)) for j in range(N)]
+    chunk = max(1, EXPERT_CHUNK_BYTES // max(gu.k_pad * gu.n_pad, dn.k_pad * dn.n_pad))   # experts at a time
+    for i in range(cfg.n_moe):
+        # this layer's leaves, read once: [E, N, K/2] packed, [E, N, K/32] scale (checkpoint orientation)
+        layer = {k: (leaves[k]["packed"][i], np.asarray(leaves[k]["scale"][i], np.uint8)) for k in ("w1", "w3", "w2")}
+        for k, (_, scale) in layer.items():
+            check_kernel_scales(scale, f"moe.{k} (MoE layer {i + 1})")
+        for e0 in range(0, E, chunk):
+            ex = slice(e0, min(E, e0 + chunk))
+            n = ex.stop - ex.start
+            a = np.zeros((n, gu.k_pad, gu.n_pad), np.uint8)                      # [n, K, N] codes
+            sa = np.full((n, gu.k_pad // MX_GROUP, gu.n_pad), MXFP4_PAD_SCALE, np.uint8)
+            for key in ("w1", "w3"):
+                c = mxfp4_codes_kn(layer[key][0][ex])                              # [n, latent, fe]
+                sc = np.swapaxes(layer[key][1][ex], -1, -2)                       # [n, latent/32, fe]
+                off = gu.part(key).offset
+                for dst, src, gdst, gsrc, ng in blocks:                           # latent rank blocks
+                    a[:, dst:dst + per, off:off + fe] = c[:, src:src + per]
+                    sa[:, gdst:gdst + ng, off:off + fe] = sc[:, gsrc:gsrc + ng]
+            b = np.zeros((n, dn.k_pad, dn.n_pad), np.uint8)
+            sb = np.full((n, dn.k_pad // MX_GROUP, dn.n_pad), MXFP4_PAD_SCALE, np.uint8)
+            c = mxfp4_codes_kn(layer["w2"][0][ex])                                 # [n, fe, latent]
+            sc = np.swapaxes(layer["w2"][1][ex], -1, -2)                           # [n, fe/32, latent]
+            for dst, src, *_ in blocks:
+                b[:, :fe, dst:dst + per] = c[:, :, src:src + per]
+                sb[:, :fe // MX_GROUP, dst:dst + per] = sc[:, :, src:src + per]
+            for m, (cm, sm) in ((gu, (a, sa)), (dn, (b, sb))):
+                t0 = 0 if m is gu else gu.tiles
+                codes_out[i, ex, t0:t0 + m.tiles], scales_out[i, ex, t0:t0 + m.tiles] = \
+                    pack_mxfp4_tiles(cm, sm, tk, tn, plan.mxfp4_unpack)
+        del layer
+    return {"expert_codes": codes_out, "expert_scales": scales_out}
+
+
+def pack_vectors(plan: Plan, params: dict, rank: int = 0) -> np.ndarray:
+    """Rank's per-layer vector table [L + 1, rows, width] f32 (`params`: its share)."""
+    cfg = plan.config
+    rows = vector_rows(cfg)
+    from mk.io.convert import aligned_empty
+
+    v = aligned_empty((cfg.layers + 1, len(rows), plan.vector_width), np.float32)   # zero-copy hand-off to JAX
+    v[...] = 0
+
+    def put(l, name, x, at=0):
+        x = np.asarray(x, np.float32).reshape(-1)
+        v[l, rows[name], at:at + x.size] = x
+
+    for l in range(cfg.layers):
+        for key in ("attn_res", "mlp_res", "attn_norm", "ffn_norm"):
+            put(l, key, params["layer"][key][l])
+        i = cfg.family_index(l)
+        if cfg.is_mla(l):
+            put(l, "q_a_norm", params["mla"]["q_a_norm"][i])
+            put(l, "kv_a_norm", params["mla"]["kv_a_norm"][i])
+        else:
+            k = params["kda"]
+            conv = np.asarray(k["conv"][i], np.float32)          # [3, C, HD]
+            for j in range(3):
+                for t in range(cfg.conv_size):
+                    put(l, f"conv{j}_{t}", conv[j, t])
+            put(l, "a_log", np.repeat(np.asarray(k["a_log"][i], np.float32), cfg.head_dim))
+            put(l, "dt_bias", k["dt_bias"][i])
+            put(l, "o_norm", k["o_norm"][i])
+        if l >= 1:
+            put(l, "router_bias", params["moe"]["router_bias"][l - 1])
+            put(l, "latent_norm", params["moe"]["latent_norm"][l - 1], plan.latent_offsets[rank])
+    put(cfg.layers, "attn_res", params["output_res"])          # globals live in row set L
+    put(cfg.layers, "attn_norm", params["final_norm"])
+    return v

@@ -1,0 +1,274 @@
+"""Speculative decoding on the reference (spec 4.3): drafts, one verify step, acceptance, rollback.
+
+Per step and row: the anchor (the last emitted token, at position P) and k drafts d_1..d_k are
+verified as T = 1 + k rows of one step (`mk.model.reference.verify_step`); `count` leading drafts are
+accepted, then a bonus token is taken from the target row `count`; the emitted tokens are
+d_1..d_count, bonus (acceptance length count + 1); the next step continues from state_row = count
+(`mk.model.reference.commit`) with the bonus as its anchor.
+
+Acceptance: greedy (draft i accepted iff it equals the target's argmax after d_{i-1}), or exact
+speculative sampling with temperature / top-p: the target distribution p'_i of verify row i is the
+temperature-scaled nucleus (`nucleus_probs`); a draft with proposal q is accepted iff
+u < p'(d) / q(d) (q is one-hot for greedy drafters, so u < p'(d)); after a rejection the bonus is
+drawn from the residual max(p' - q, 0) renormalised, after full acceptance from p'_k. Uniforms come
+from `PRNGKey(seed)` folded with the row and the step's first position: reproducible.
+
+Prefill runs the prompt through the same verify step in blocks of T tokens (the last one padded
+with its last token, the padding rolled back), so one compiled step serves the whole run.
+
+The verify step is a `verifier`: `ReferenceVerifier` (mk.model.reference, XLA) or
+`mk.kernel.step.KernelVerifier` (the megakernel with 1 + k rows per sequence, per-row KDA states and
+state_row rollback, aux rows copied out by the kernel).
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mk.model import reference as ref
+from mk.errors import UserError
+from mk.kernel.plan import MAX_ROWS, max_drafts  # rows of one step (batch x (1 + k)); the kernel plan's row limit
+
+
+class SpeculativeError(UserError):
+    """Speculative settings that cannot run; the message names the option."""
+
+
+def check_k(k: int, batch: int = 1):
+    if k < 1:
+        raise SpeculativeError(f"--speculative must be at least 1 draft, found {k}")
+    if k > max_drafts(batch):
+        raise SpeculativeError(f"--speculative {k}: a verify step of batch {batch} x (1 + {k}) = "
+                               f"{batch * (1 + k)} rows exceeds the {MAX_ROWS} rows a step allows "
+                               f"(k <= {max_drafts(batch)} at batch {batch})")
+
+
+def context_for(prompt_len: int, max_new_tokens: int, k: int, ctx: int | None = None) -> int:
+    """The cache capacity a run needs (drafts and prefill padding may run 2 x (1 + k) past the end):
+    `ctx` if given (checked), else the least multiple of 128 >= that, at least DEFAULT_CTX."""
+    total = prompt_len + max_new_tokens + 2 * (1 + k)
+    ctx = ctx or max(ref.DEFAULT_CTX, -(-total // 128) * 128)
+    if total > ctx:
+        raise SpeculativeError(f"prompt + max_new_tokens + 2 x (1 + k) = {total} exceed ctx={ctx}")
+    return ctx
+
+
+# ---- target distributions and acceptance -----------------------------------------------------
+
+def nucleus_probs(logits, temperature: float, top_p: float):
+    """logits [..., V] -> p' [..., V] f32: softmax(logits / temperature) restricted to the nucleus
+    (tokens, in descending order, whose preceding mass is < top_p; at least one), renormalised;
+    the same rule as `mk.model.reference.sample`. temperature 0 -> one-hot argmax."""
+    logits = jnp.asarray(logits, jnp.float32)
+    if temperature <= 0:
+        return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+    probs = jax.nn.softmax(logits / temperature, axis=-1)
+    order = jnp.argsort(-probs, axis=-1)
+    sp = jnp.take_along_axis(probs, order, axis=-1)
+    keep_sorted = (jnp.cumsum(sp, -1) - sp) < top_p
+    keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)   # back to token order
+    kept = jnp.where(keep, probs, 0.0)
+    return kept / jnp.sum(kept, -1, keepdims=True)
+
+
+def accept_greedy(logits, drafts):
+    """logits [T, V] (T = 1 + k), drafts [k] -> (count, bonus): leading drafts equal to the target's
+    argmax, and the argmax of row count."""
+    target = np.argmax(np.asarray(logits), -1)
+    k = len(drafts)
+    count = 0
+    while count < k and int(drafts[count]) == int(target[count]):
+        count += 1
+    return count, int(target[count])
+
+
+def accept_sample(p, drafts, u, q=None):
+    """Exact speculative sampling for one row. p [T, V] target distributions (rows 0..k), drafts
+    [k], u [T, 2] uniforms, q [k, V] proposal distributions (None: one-hot at the drafts) ->
+    (count, bonus)."""
+    p = np.asarray(p, np.float64)
+    k = len(drafts)
+    for i in range(k):
+        d = int(drafts[i])
+        qd = 1.0 if q is None else float(q[i][d])
+        if not u[i, 0] < p[i, d] / qd:                  # reject draft i: bonus from the residual
+            qi = np.zeros(p.shape[-1]) if q is None else np.asarray(q[i], np.float64)
+            if q is None:
+                qi[d] = 1.0
+            resid = np.maximum(p[i] - qi, 0.0)
+            return i, _inverse_cdf(resid / resid.sum(), u[i, 1])
+    return k, _inverse_cdf(p[k], u[k, 1])
+
+
+def _inverse_cdf(probs, u: float) -> int:
+    c = np.cumsum(probs)
+    return int(min(np.searchsorted(c, u * c[-1], side="right"), len(probs) - 1))
+
+
+def uniforms(seed: int, row: int, position: int, T: int) -> np.ndarray:
+    """[T, 2] uniforms for one row's step starting at `position` (reproducible)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), row), position)
+    return np.asarray(jax.random.uniform(key, (T, 2)), np.float64)
+
+
+# ---- drafters for tests ----------------------------------------------------------------------
+
+class AgreeingDrafter:
+    """Test drafter: knows a reference continuation `truth` [B, N] (token at each position) and
+    proposes it with probability `agree` per draft (else a wrong token), so acceptance can be set.
+    `schedule`, if given, fixes how many leading drafts agree at each step instead (then cycles):
+    k = full acceptance, 0 = forced rejection of every draft. `aux_layers` only chooses which aux
+    rows the verify step returns (unused here; lets a test share one compiled verify step)."""
+
+    def __init__(self, truth, agree: float = 1.0, seed: int = 0, schedule=None, vocab: int | None = None,
+                 aux_layers: tuple[int, ...] = ()):
+        self.aux_layers = tuple(aux_layers)
+        self.truth = np.asarray(truth)
+        self.agree, self.seed, self.schedule = agree, seed, schedule
+        self.vocab = vocab or int(self.truth.max()) + 2
+        self.step = 0
+
+    def start(self, batch, ctx):
+        self.step = 0
+        return None
+
+    def observe(self, state, aux, pos):
+        return state
+
+    def propose(self, state, anchor, pos, k):
+        B = len(anchor)
+        out = np.zeros((B, k), np.int32)
+        for b in range(B):
+            want = [int(self.truth[b, min(pos[b] + 1 + i, self.truth.shape[1] - 1)]) for i in range(k)]
+            if self.schedule is not None:
+                n = self.schedule[self.step % len(self.schedule)]
+                ok = [i < n for i in range(k)]
+            else:
+                rng = np.random.default_rng([self.seed, b, int(pos[b])])
+                ok = list(rng.random(k) < self.agree)
+            out[b] = [w if o else (w + 1) % self.vocab for w, o in zip(want, ok)]
+        self.step += 1
+        return out
+
+
+# ---- verify backends -------------------------------------------------------------------------
+
+class ReferenceVerifier:
+    """The verify step on `mk.model.reference` (XLA). A verifier has `init_cache(batch, ctx)`,
+    `adopt(reference_cache)` (its own layout from the reference's), `verify(params, cache, tokens
+    [B, 1 + k], aux_layers) -> (logits [B, 1 + k, V], block)` with block["aux"] [B, 1 + k, n, d],
+    and `commit(cache, block, count) -> cache`; the kernel's is `mk.kernel.step.KernelVerifier`."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def init_cache(self, batch: int, ctx: int) -> dict:
+        return ref.init_cache(self.cfg, batch, ctx)
+
+    def adopt(self, cache: dict) -> dict:
+        return cache
+
+    def verify(self, params, cache, tokens, aux_layers):
+        return ref.verify_step(params, cache, jnp.asarray(tokens, jnp.int32), cfg=self.cfg, aux_layers=tuple(aux_layers))
+
+    def commit(self, cache, block, count):
+        return ref.commit(cache, block, jnp.asarray(count, jnp.int32))
+
+
+# ---- the loop --------------------------------------------------------------------------------
+
+def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, ctx: int | None = None, fixed_acceptance: int | None = None,
+             verifier=None, reference_prefill: bool = False) -> dict:
+    """Speculative generation from prompts [B, T0] (or [T0]). Returns tokens [B, max_new_tokens],
+    `acceptance` (one list per row: acceptance length of every step), `steps`, `mean_acceptance`,
+    `tokens_per_step`, `prefill_s`, `decode_s`, `tokens_per_s` (emitted tokens / decode time).
+
+    `fixed_acceptance` L forces count = L - 1 every step (speed at a chosen acceptance length; the
+    tokens are then not meaningful). `verifier` runs the verify steps (`ReferenceVerifier`, the
+    default, or `mk.kernel.step.KernelVerifier`). `reference_prefill`: the prompt runs through the
+    reference's verify step and its cache is handed to the verifier (`verifier.adopt`), so a
+    kernel in interpret mode spends its time on the generated tokens only.
+    """
+    prompt = np.asarray(prompt, np.int32)
+    if prompt.ndim == 1:
+        prompt = prompt[None]
+    B, T0 = prompt.shape
+    if T0 == 0:
+        raise SpeculativeError("the prompt must hold at least one token")
+    check_k(k, B)
+    if fixed_acceptance is not None and not 1 <= fixed_acceptance <= k + 1:
+        raise SpeculativeError(f"--fixed-acceptance-length must lie in 1..{k + 1} (1 + --speculative), "
+                               f"found {fixed_acceptance}")
+    T = 1 + k
+    ctx = context_for(T0, max_new_tokens, k, ctx)
+    ref._check_tokens(prompt, cfg, ctx)
+    aux_layers = tuple(drafter.aux_layers)
+    verifier = verifier or ReferenceVerifier(cfg)
+    prefiller = ReferenceVerifier(cfg) if reference_prefill else verifier
+
+    t0 = time.perf_counter()
+    cache = prefiller.init_cache(B, ctx)
+    dstate = drafter.start(B, ctx)
+    for s in range(0, T0, T):                      # prefill: blocks of T prompt tokens
+        chunk = prompt[:, s:s + T]
+        real = chunk.shape[1]
+        chunk = np.concatenate([chunk, np.repeat(chunk[:, -1:], T - real, 1)], 1)
+        pos = np.asarray(cache["pos"])
+        logits, block = prefiller.verify(params, cache, jnp.asarray(chunk), aux_layers)
+        if aux_layers:
+            dstate = drafter.observe(dstate, block["aux"], pos)
+        cache = prefiller.commit(cache, block, jnp.full((B,), real - 1, jnp.int32))
+    if prefiller is not verifier:
+        cache = verifier.adopt(cache)
+    last = np.asarray(logits[:, real - 1])
+    pos = np.asarray(cache["pos"])                 # = T0: the first generated token's position
+    anchor = np.asarray([_first_token(last[b], temperature, top_p, seed, b, int(pos[b])) for b in range(B)])
+    jax.block_until_ready(cache["pos"])
+    t1 = time.perf_counter()
+
+    out = [[int(a)] for a in anchor]
+    acceptance: list[list[int]] = [[] for _ in range(B)]
+    steps = 0
+    while min(len(o) for o in out) < max_new_tokens:
+        drafts = np.asarray(drafter.propose(dstate, anchor, pos, k), np.int32)
+        tokens = np.concatenate([anchor[:, None], drafts], 1)
+        logits, block = verifier.verify(params, cache, jnp.asarray(tokens), aux_layers)
+        logits = np.asarray(logits)
+        counts, bonus = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        for b in range(B):
+            if temperature <= 0:
+                counts[b], bonus[b] = accept_greedy(logits[b], drafts[b])
+            else:
+                p = np.asarray(nucleus_probs(logits[b], temperature, top_p))
+                counts[b], bonus[b] = accept_sample(p, drafts[b], uniforms(seed, b, int(pos[b]), T))
+            if fixed_acceptance is not None:
+                counts[b] = fixed_acceptance - 1
+                bonus[b] = int(np.argmax(logits[b, counts[b]]))
+            out[b] += [int(x) for x in drafts[b, :counts[b]]] + [int(bonus[b])]
+            acceptance[b].append(int(counts[b]) + 1)
+        if aux_layers:
+            dstate = drafter.observe(dstate, block["aux"], pos)
+        cache = verifier.commit(cache, block, jnp.asarray(counts))
+        pos = pos + counts + 1
+        anchor = bonus
+        steps += 1
+    jax.block_until_ready(cache["pos"])
+    t2 = time.perf_counter()
+    emitted = sum(len(o) - 1 for o in out)         # the first token came from prefill
+    flat = [a for row in acceptance for a in row]
+    return {"tokens": np.asarray([o[:max_new_tokens] for o in out], np.int32), "acceptance": acceptance,
+            "steps": steps, "mean_acceptance": float(np.mean(flat)) if flat else 0.0,
+            "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+            "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx}
+
+
+def _first_token(logits, temperature, top_p, seed, row, position) -> int:
+    """The token after the prompt: greedy, or drawn from p' with this row/position's uniform."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    p = np.asarray(nucleus_probs(logits, temperature, top_p), np.float64)
+    return _inverse_cdf(p, uniforms(seed, row, position, 1)[0, 1])

@@ -1,0 +1,406 @@
+"""`mk bench`: the megakernel, the fair XLA step and the oracle, timed side by side on one TPU.
+
+    rows = measure(get_config("k3-chip"), batches=(1, 2, 4, 8), experts="bf16")
+
+In one process, at each batch: the kernel (`mk.kernel.decode.make_decode_step` on `kernel_weights`),
+the fair XLA step (`mk.perf.baseline`, impl "xla"; "xla-ragged": its ragged_dot MoE) and the oracle
+(`mk.model.reference.decode_step`, jitted). Each case decodes a stream of random token ids (the same for
+every impl of a batch) with its cache advancing, `warmup` untimed steps then `steps` timed ones,
+each timed to `jax.block_until_ready`.
+
+Bytes a step must read (`step_bytes`): every weight but the embedding table and the routed experts
+(plus the B embedding rows), the distinct routed experts of the step in their storage format
+(bf16: 2 bytes per weight, MXFP4: 17/32), and the state the plan's phases read and write (KDA
+states, MLA caches: `mk.kernel.schedule.schedule`). Distinct experts per MoE layer are counted from the XLA
+step's routing of the very tokens timed (the reference's function, `tests/test_baseline.py`),
+averaged over the timed steps; without "xla" among the impls, the plan's expectation for
+independent uniform routing (`Plan.expected_distinct_experts`). `plan_weight_bytes` is the
+kernel's DMA count (tile padding included). Effective GB/s = bytes / median time; fractions of
+the chip's datasheet HBM bandwidth (data/hardware.csv) and of the DMA stream bandwidth
+`mk microbench` measured (data/microbench.csv, `dma_stream_bw` of the chip; None if not measured).
+
+Memory: params are shared by the XLA step and the reference (MXFP4: the XLA step reads the packed
+experts, the reference a bf16 dequantization made on the device); the kernel's packed weights are
+built once and reused across batches while the packing is the same (`pack_key`), else freed first.
+Off a TPU, `measure` refuses: interpret mode is no speed claim.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import gc
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mk.model.config import K3Config
+from mk.errors import UserError
+from mk.kernel.plan import CHIP_OF_DEVICE_KIND, HARDWARE_CHIP
+from mk.kernel.schedule import schedule
+
+IMPLS = ("kernel", "xla", "xla-ragged", "reference")
+DEFAULT_IMPLS = ("kernel", "xla", "reference")
+# jax device_kind -> (mk.kernel.plan chip, data/hardware.csv chip)
+DEVICE_KINDS = {kind: (chip, HARDWARE_CHIP[chip]) for kind, chip in CHIP_OF_DEVICE_KIND.items() if chip in HARDWARE_CHIP}
+STREAM_QUANTITY = "dma_stream_bw"
+
+
+class BenchError(UserError):
+    """A bench that cannot run here (no TPU, a config that does not fit, a bad option)."""
+
+
+def chip_of_device(kind: str) -> tuple[str, str] | None:
+    """(mk.kernel.plan chip, hardware.csv chip) of a jax device_kind, or None if mk does not know it."""
+    return DEVICE_KINDS.get(kind)
+
+
+def require_tpu(backend: str | None = None):
+    backend = backend or jax.default_backend()
+    if backend != "tpu":
+        raise BenchError(f"mk bench times steps on a TPU; this backend is {backend!r} (interpret mode "
+                         f"is no speed claim: use `mk check` for correctness)")
+
+
+# ---- bytes ---------------------------------------------------------------------------------------
+EXPERT_FAMILIES = ("w1", "w3", "w2")
+
+
+def expert_weight_bytes(cfg: K3Config, experts: str) -> float:
+    """Bytes of one routed expert (w1, w3, w2) as stored: bf16 2 per weight, MXFP4 17/32
+    (a 4-bit code + one E8M0 byte per 32 weights)."""
+    per_weight = {"bf16": 2.0, "mxfp4": 0.5 + 1.0 / 32}[experts]
+    return 3 * cfg.latent * cfg.expert_hidden * per_weight
+
+
+def dense_weight_bytes(cfg: K3Config, batch: int) -> int:
+    """Bytes of every parameter a step reads whole: all but the embedding table (B rows of it are
+    read) and the routed experts."""
+    from mk.model.params import nbytes, shapes
+    s = shapes(cfg)
+    experts = sum(nbytes(s["moe"][n]) for n in EXPERT_FAMILIES)
+    return nbytes(s) - nbytes(s["embed"]) - experts + batch * cfg.dim * 2
+
+
+def step_bytes(cfg: K3Config, batch: int, experts: str, distinct: Sequence[float], plan=None) -> dict:
+    """HBM bytes one step must read: {"weight_bytes", "expert_bytes", "state_bytes", "hbm_bytes",
+    "plan_weight_bytes"}; distinct[l - 1] = distinct experts routed at MoE layer l (a mean is
+    fine); plan: the kernel's plan at this batch (default: `make_plan(cfg, batch, experts=...)`)."""
+    from mk.kernel.plan import make_plan
+    plan = plan or make_plan(cfg, batch, experts=experts, check=False)
+    dmas, phases = schedule(plan, list(distinct))
+    out = {"weight_bytes": dense_weight_bytes(cfg, batch),
+           "expert_bytes": float(sum(distinct)) * expert_weight_bytes(cfg, experts),
+           "state_bytes": sum(p.hbm_bytes + p.writeback_bytes for p in phases),
+           "plan_weight_bytes": sum(d.bytes for d in dmas)}
+    out["hbm_bytes"] = out["weight_bytes"] + out["expert_bytes"] + out["state_bytes"]
+    return out
+
+
+def bandwidths(hw_chip: str | None, microbench_csv=None) -> dict:
+    """{"datasheet_bw", "stream_bw", "stream_source"} of a hardware.csv chip (None where unknown)."""
+    from mk.perf.hardware import HardwareDataError, load_chips, load_microbench
+    out = {"datasheet_bw": None, "stream_bw": None, "stream_source": "not measured"}
+    if hw_chip is None:
+        return out
+    chips = load_chips()
+    if hw_chip in chips:
+        out["datasheet_bw"] = chips[hw_chip].hbm_bw
+    try:
+        m = load_microbench(microbench_csv).measurement(hw_chip, STREAM_QUANTITY)
+        out["stream_bw"], out["stream_source"] = m.value, m.source
+    except (HardwareDataError, OSError):
+        out["stream_source"] = f"not measured (no {hw_chip} {STREAM_QUANTITY} row in data/microbench.csv)"
+    return out
+
+
+# ---- timing --------------------------------------------------------------------------------------
+def summarize(times_s: Sequence[float]) -> dict:
+    """{"median_ms", "min_ms", "max_ms", "steps"} of per-step seconds."""
+    if not times_s:
+        raise ValueError("no timed steps")
+    ms = [1e3 * t for t in times_s]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "steps": len(ms)}
+
+
+def time_steps(step: Callable, new_cache: Callable[[], dict], tokens: np.ndarray, warmup: int, ctx: int,
+               timer: Callable[[], float] = time.perf_counter, on_output: Callable | None = None) -> list[float]:
+    """Run `step(cache, tokens[t]) -> (logits, cache, *extra)` for every row t of tokens [T, B];
+    the first `warmup` untimed, each later one timed from its call to `jax.block_until_ready` of
+    its outputs. The cache is recreated (untimed) before its positions would pass ctx.
+    on_output(t, outputs) sees every step's outputs (e.g. routing). Returns the timed seconds."""
+    cache, pos, times = new_cache(), 0, []
+    for t in range(tokens.shape[0]):
+        if pos >= ctx:
+            del cache
+            cache, pos = new_cache(), 0
+        tok = jnp.asarray(tokens[t], jnp.int32)
+        t0 = timer()
+        out = jax.block_until_ready(step(cache, tok))
+        dt = timer() - t0
+        cache, pos = out[1], pos + 1
+        if on_output is not None:
+            on_output(t, out)
+        if t >= warmup:
+            times.append(dt)
+    return times
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Set `kernel_speedup` = this impl's median / the kernel's at the same batch (how many times
+    faster the kernel is; None for the kernel itself or where either has no time)."""
+    kernel = {r["batch"]: r["median_ms"] for r in rows if r["impl"] == "kernel" and r.get("median_ms")}
+    for r in rows:
+        k = kernel.get(r["batch"])
+        r["kernel_speedup"] = (r["median_ms"] / k if r["impl"] != "kernel" and k and r.get("median_ms")
+                               else None)
+    return rows
+
+
+def finish_row(row: dict, nbytes: dict, bw: dict) -> dict:
+    """Fill a timed row's bytes, GB/s, bandwidth fractions and tokens/s."""
+    row.update(nbytes)
+    med = row.get("median_ms")
+    s = med / 1e3 if med else None
+    row["gb_s"] = nbytes["hbm_bytes"] / s / 1e9 if s else None
+    row["frac_datasheet"] = row["gb_s"] * 1e9 / bw["datasheet_bw"] if s and bw["datasheet_bw"] else None
+    row["frac_stream"] = row["gb_s"] * 1e9 / bw["stream_bw"] if s and bw["stream_bw"] else None
+    row["tok_s"] = row["batch"] / s if s else None
+    return row
+
+
+# ---- the kernel's weights, shared across batches where the packing is the same ---------------------
+def pack_key(plan) -> tuple:
+    """What `mk.kernel.packing.pack_weights` reads from a plan besides the params: equal keys, equal packs."""
+    return (plan.config, plan.layout, plan.tile_k, plan.tile_n, plan.streams, plan.expert_gu, plan.expert_down,
+            plan.vector_width, plan.latent_offsets, plan.dense_tiles, plan.experts)
+
+
+def device_bytes_needed(cfg: K3Config, experts: str, impls: Sequence[str], batches: Sequence[int], ctx: int,
+                        chip: str) -> dict:
+    """Device bytes the bench holds at its peak: {"params", "reference_experts", "kernel", "caches", "total"}."""
+    from mk.kernel.aot import kernel_weight_shapes
+    from mk.perf.baseline import abstract_params
+    from mk.model.params import nbytes, shapes
+    from mk.kernel.plan import make_plan
+    from mk.model.reference import init_cache
+    xla_like = [i for i in impls if i != "kernel"]
+    kernel = "kernel" in impls
+    params = nbytes(abstract_params(cfg, experts)) if (xla_like or kernel) else 0
+    ref_experts = (sum(nbytes(shapes(cfg)["moe"][n]) for n in EXPERT_FAMILIES)
+                   if experts == "mxfp4" and "reference" in impls else 0)
+    kw = 0
+    if kernel:
+        plan = make_plan(cfg, max(batches), chip=chip, experts=experts, ctx=ctx, check=False)
+        kw = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in kernel_weight_shapes(plan).values())
+    caches = 2 * nbytes(jax.eval_shape(lambda: init_cache(cfg, max(batches), ctx)))
+    return {"params": params, "reference_experts": ref_experts, "kernel": kw, "caches": caches,
+            "total": params + ref_experts + kw + caches}
+
+
+def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str):
+    """Refuse, before allocating, a bench whose arrays exceed the device's memory."""
+    limit, what = None, "bytes_limit"
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:
+        pass
+    if limit is None and hw_chip:
+        from mk.perf.hardware import load_chips
+        limit, what = load_chips()[hw_chip].per_core("hbm_bytes"), f"{hw_chip} HBM per core (data/hardware.csv)"
+    if limit is not None and need["total"] > limit:
+        raise BenchError(f"--config {name}: the bench needs {need['total'] / 1e9:.2f} GB on the device (params "
+                         f"{need['params'] / 1e9:.2f} GB, reference experts {need['reference_experts'] / 1e9:.2f} GB, "
+                         f"kernel weights {need['kernel'] / 1e9:.2f} GB, caches {need['caches'] / 1e9:.2f} GB), the "
+                         f"device has {limit / 1e9:.2f} GB ({what})")
+
+
+# ---- the measurement -------------------------------------------------------------------------------
+def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16", steps: int = 20,
+            warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | None = None,
+            params: dict | None = None, *, seed: int = 0, ctx: int = 256, progress: bool = True,
+            microbench_csv=None) -> list[dict]:
+    """Time each impl at each batch on this TPU; returns rows (see `mk.cli.bench` for the fields).
+
+    params: in `experts` format (MXFP4: the packed tree of `mk.io.checkpoint.load(..., experts=
+    "mxfp4")`); default `mk.model.params.init_fast(cfg, seed, experts)` on the device."""
+    from tqdm.auto import tqdm
+    from mk.kernel.plan import MAX_ROWS, make_plan
+    from mk.model.layout import PlanError
+
+    require_tpu()
+    impls = tuple(impls)
+    bad = [i for i in impls if i not in IMPLS]
+    if bad or not impls:
+        raise BenchError(f"--impl: unknown {bad or 'empty list'}; expected some of {', '.join(IMPLS)}")
+    if experts not in ("bf16", "mxfp4"):
+        raise BenchError(f"--experts: expected bf16 or mxfp4, found {experts!r}")
+    bad = [b for b in batches if not 1 <= b <= MAX_ROWS]
+    if bad or not batches:
+        raise BenchError(f"--batch: each batch must lie in 1..{MAX_ROWS}, found {list(batches)}")
+    if steps < 1 or warmup < 1:
+        raise BenchError(f"--steps and --warmup must be >= 1 (the first call compiles), found {steps} and {warmup}")
+    device = jax.devices()[0]
+    chips = chip_of_device(device.device_kind)
+    plan_chip, hw_chip = chips if chips else ("v5e", None)
+    name = _config_name(cfg)
+    check_fits(cfg, device_bytes_needed(cfg, experts, impls, batches, ctx, plan_chip), device, hw_chip, name)
+    bw = bandwidths(hw_chip, microbench_csv)
+
+    from mk.perf import baseline
+    from mk.model import reference
+    from mk.model.params import init_fast
+    t0 = time.perf_counter()
+    params = params if params is not None else jax.block_until_ready(init_fast(cfg, seed, experts))
+    log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
+    rng = np.random.default_rng(seed)
+    tokens = {B: rng.integers(0, cfg.vocab, (warmup + steps, B)).astype(np.int32) for B in batches}
+    plan_kw = {} if prefetch_depth is None else {"prefetch_depth": prefetch_depth}
+    try:
+        plans = {B: make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw) for B in batches}
+    except PlanError as e:
+        raise BenchError(f"--prefetch-depth: {e}") from None
+    distinct: dict[int, list] = {B: [] for B in batches}   # per timed step: distinct experts per layer
+    results: dict[tuple, dict] = {}
+    bar = tqdm(desc=f"bench {name} {experts}", total=len(batches) * len(impls), leave=False,
+               disable=None if progress else True)   # stderr, on a terminal only
+
+    def run_case(impl, B, make_step, on_output=None):
+        bar.set_postfix_str(f"B={B} {impl}")
+        row = {"impl": impl, "batch": B, "experts": experts, "median_ms": None, "min_ms": None, "max_ms": None,
+               "steps": 0, "error": None, "prefetch_depth": plans[B].prefetch_depth if impl == "kernel" else None}
+        t0 = time.perf_counter()
+        try:
+            step = make_step()
+            row.update(summarize(time_steps(step, lambda: reference.init_cache(cfg, B, ctx), tokens[B], warmup,
+                                            ctx, on_output=on_output)))
+        except Exception as e:                     # a case that does not compile or run: say why, go on
+            msg = str(e).strip().splitlines()
+            row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+        row["wall_s"] = time.perf_counter() - t0
+        results[impl, B] = row
+        bar.update(1)
+        log(f"B={B} {impl}: " + (f"median {row['median_ms']:.3f} ms (min {row['min_ms']:.3f}, max {row['max_ms']:.3f}), "
+                                 if row["median_ms"] is not None else f"{row['error']}, ") + f"{row['wall_s']:.1f} s")
+
+    # The kernel first (its packed weights are freed before the XLA steps, whose temporaries are GBs
+    # at B = 8); then the XLA steps, each compiled when its case starts; the xla step's routing gives
+    # the distinct experts.
+    if "kernel" in impls:
+        kernel_cache = {"key": None, "weights": None}
+        for B in batches:
+            run_case("kernel", B, lambda B=B: _kernel_step(plans[B], params, kernel_cache))
+        kernel_cache.clear()
+        gc.collect()
+    xla_impls = [i for i in ("xla", "xla-ragged", "reference") if i in impls]
+    if xla_impls:
+        ref_params = _dequantized_on_device(params) if "reference" in impls and experts == "mxfp4" else params
+        fns = {}
+        for impl in xla_impls:
+            if impl == "reference":
+                fns[impl] = (jax.jit(lambda p, c, t: reference.decode_step(p, c, t, cfg=cfg), donate_argnums=(1,)),
+                             ref_params)
+            else:
+                fns[impl] = (baseline.make_baseline_step(cfg, experts, "loop" if impl == "xla" else "ragged",
+                                                         routing=impl == "xla"), params)
+        compiled = _compile_lazily(fns, batches, cfg, ctx)
+        for B in batches:
+            for impl in xla_impls:
+                fn_params = fns[impl][1]
+                make = lambda f=compiled[impl, B], p=fn_params: functools.partial(_call, f(), p)
+                on_output = None
+                if impl == "xla":
+                    on_output = (lambda t, out, B=B: distinct[B].append(_distinct(out[2])) if t >= warmup else None)
+                run_case(impl, B, make, on_output)
+        del ref_params, fns, compiled
+        gc.collect()
+    bar.close()
+
+    rows: list[dict] = []
+    for B in batches:
+        if distinct[B]:
+            mean, source = np.mean(np.stack(distinct[B]), axis=0), "routed (xla step)"
+        else:
+            mean, source = np.full(cfg.n_moe, plans[B].expected_distinct_experts()), "expected (uniform routing)"
+        nbytes = step_bytes(cfg, B, experts, [float(x) for x in mean], plans[B])
+        for impl in impls:
+            r = finish_row(results[impl, B], nbytes, bw)
+            r["distinct_experts"] = [round(float(x), 3) for x in mean]
+            r["distinct_source"] = source
+            rows.append(r)
+    return add_ratios(rows)
+
+
+def _call(executable, params, cache, tokens):
+    return executable(params, cache, tokens)
+
+
+def _compile_lazily(fns: dict, batches, cfg: K3Config, ctx: int) -> dict:
+    """{(impl, B): a function that compiles the step (when its case starts, inside its wall time)}."""
+    from mk.model.reference import init_cache
+    out = {}
+    for B in batches:
+        cache = jax.eval_shape(lambda B=B: init_cache(cfg, B, ctx))
+        tok = jax.ShapeDtypeStruct((B,), jnp.int32)
+        for impl, (fn, p) in fns.items():
+            out[impl, B] = lambda fn=fn, p=p, c=cache, t=tok: fn.lower(p, c, t).compile()
+    return out
+
+
+def log(msg: str):
+    """One progress line on stderr, always (a run cut short by a timeout still says how far it got)."""
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def metadata(cfg: K3Config, experts: str, steps: int, warmup: int, microbench_csv=None) -> dict:
+    dev = jax.devices()[0]
+    chips = chip_of_device(dev.device_kind)
+    bw = bandwidths(chips[1] if chips else None, microbench_csv)
+    return {"device_kind": dev.device_kind, "chip": chips[1] if chips else None, "backend": jax.default_backend(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "jax_version": jax.__version__,
+            "config": _config_name(cfg), "experts": experts, "steps": steps, "warmup": warmup,
+            "command": " ".join(["python -m mk"] + sys.argv[1:]) if sys.argv else None,
+            "datasheet_hbm_bw": bw["datasheet_bw"], "stream_bw": bw["stream_bw"], "stream_source": bw["stream_source"]}
+
+
+def _config_name(cfg: K3Config) -> str:
+    from mk.model.config import PRESETS
+    return next((n for n, c in PRESETS.items() if c == cfg), "custom config")
+
+
+def _distinct(ids) -> np.ndarray:
+    """ids [n_moe, B, k] -> distinct experts per MoE layer [n_moe]."""
+    ids = np.asarray(ids)
+    return np.array([len(np.unique(ids[l])) for l in range(ids.shape[0])], np.float64)
+
+
+def _dequantized_on_device(params: dict) -> dict:
+    """params with MXFP4 experts replaced by their bf16 [.., K, N] dequantization (on the device,
+    one MoE layer at a time), for the reference."""
+    from mk.perf.baseline import dequantize
+    deq = jax.jit(lambda p, s: jnp.swapaxes(dequantize(p, s), -1, -2))
+    moe = dict(params["moe"])
+    for n in EXPERT_FAMILIES:
+        w = moe[n]
+        moe[n] = jnp.stack([deq(w["packed"][l], w["scale"][l]) for l in range(w["packed"].shape[0])])
+    return dict(params, moe=moe)
+
+
+def _kernel_step(plan, params: dict, cache: dict):
+    """The kernel's step on its packed weights; the weights of the previous batch are reused when
+    `pack_key` is equal, else freed before packing anew."""
+    from mk.kernel.step import kernel_weights
+    from mk.kernel.decode import make_decode_step
+    key = pack_key(plan)
+    if cache["key"] != key:
+        cache["weights"] = None
+        gc.collect()
+        cache["weights"] = kernel_weights(plan, params)
+        cache["key"] = key
+    weights = cache["weights"]
+    fn = make_decode_step(plan)
+    return lambda c, t: fn(weights, c, t)
