@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Issue 23's measurements (and issue 22's host-memory point) as run on the lent TPU v5e. From the repo
-# root on the TPU VM, wheels carried as .whl-tpu (../shared/tools/tpu-prep):   OUT=DIR bash docs/tpu-v5e/run-bench.sh
+# Issue 23's measurements as run on the lent TPU v5e: the DMA microbench on an idle chip, then
+# `mk bench` with bf16 and with MXFP4 experts. From the repo root on the TPU VM, wheels carried as
+# .whl-tpu (../shared/tools/tpu-prep):   OUT=DIR bash docs/tpu-v5e/run-bench.sh
+# Writes DIR/NAME.out (stdout: the JSON) and DIR/NAME.log (stderr: one `bench:` line per case).
 set -u
 OUT=${OUT:-tpu-out}; mkdir -p "$OUT"
 source .whl-tpu/env.sh
+export JAX_PLATFORMS=tpu,cpu
 step() {   # step NAME SECONDS CMD...: one program alone on the chip; its exit status and wall time
   local name=$1 secs=$2; shift 2
   local t0=$(date +%s)
@@ -11,15 +14,12 @@ step() {   # step NAME SECONDS CMD...: one program alone on the chip; its exit s
   echo "$name rc=$? $(( $(date +%s) - t0 ))s"
   sleep 3
 }
-# the 1.36 GB K3-byte-mix checkpoint, written on the host's CPU while the chip benchmarks
-( JAX_PLATFORMS=cpu timeout 420 python3 -m mk synth --config mini --no-progress --out /tmp/k3mix --override \
-  'dim=1024,layers=8,heads=8,latent=1024,expert_hidden=512,experts=192,top_k=8,dense_hidden=2048,q_rank=512,kv_rank=256,vocab=16384,full_attention=[3,7]' \
-  > "$OUT/synth.log" 2>&1; echo "synth rc=$?" >> "$OUT/synth.log" ) &
-export JAX_PLATFORMS=tpu,cpu
-step microbench 90 python3 -m mk microbench --json --write data/microbench.csv
+# a bare TPU process (JAX initialised, one array on the chip): the host RSS libtpu itself holds,
+# the baseline for `mk logits --bench`'s peak RSS
+step bare-rss 60 python3 -c 'import resource, jax, jax.numpy as jnp
+x = jnp.ones((4096, 4096), jnp.bfloat16).block_until_ready()
+print({"device": jax.devices()[0].device_kind, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})'
+step microbench 70 python3 -m mk microbench --json --write data/microbench.csv
 cp data/microbench.csv "$OUT/microbench.csv"
-step bench-bf16 200 python3 -m mk bench --config k3-chip --experts bf16 --json
-step bench-mxfp4 170 python3 -m mk bench --config k3-chip --experts mxfp4 --impl kernel,xla --json
-wait
-du -sb /tmp/k3mix >> "$OUT/synth.log"
-step logits-rss 90 python3 -m mk logits --checkpoint /tmp/k3mix --tokens 1,2,3,4 --backend kernel --bench --json --out /tmp/l.npy
+step bench-bf16 280 python3 -m mk bench --config k3-chip --experts bf16 --json
+step bench-mxfp4 190 python3 -m mk bench --config k3-chip --experts mxfp4 --impl kernel,xla --json
