@@ -16,6 +16,8 @@ import pytest
 from mk.notebooks import runner as notebook_runner
 from mk.notebooks.runner import run_all
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import plotly  # noqa: E402,F401  (a declared dependency: a missing one fails)
 
 FIGURE = """import plotly.graph_objects as go
@@ -99,6 +101,29 @@ def test_kernel_talks_ipc_not_tcp(tmp_path, capfd):
     assert res[0]["ok"], res
     err = capfd.readouterr().err
     assert "TCP" not in err and "WARNING" not in err, err
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch the kernel's sockets")
+def test_ipc_kernel_opens_no_tcp_socket(tmp_path):
+    """The TPU v5e VM refuses socket(AF_INET) and libzmq then aborts the kernel: over ipc neither
+    the runner nor the kernel (ipykernel's IOPub fork pipe, its debugger) may open one. With
+    ipykernel's own launcher the kernel opens one (the IOPub pipe), which this test catches."""
+    src = tmp_path / "src"
+    src.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print(1 + 1)")]
+    nbformat.write(nb, str(src / "01_q.ipynb"))
+    script = (f"from mk.notebooks.runner import run_all; "
+              f"r = run_all({str(tmp_path / 'out')!r}, directory={str(src)!r}, html=False); assert r[0]['ok'], r")
+    log = tmp_path / "strace.txt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    subprocess.run(["strace", "-f", "-e", "trace=socket", "-o", str(log), sys.executable, "-c", script],
+                   check=True, env=env, timeout=300, capture_output=True)
+    lines = log.read_text().splitlines()
+    runner = lines[0].split()[0]        # the runner's main thread (Python-level probes such as urllib3's
+    kernel = [ln for ln in lines if ln.split()[0] != runner]   # IPv6 check are harmless there)
+    assert any("AF_UNIX" in ln for ln in kernel)
+    assert not [ln for ln in kernel if "AF_INET" in ln], [ln for ln in kernel if "AF_INET" in ln]
 
 
 def test_save_figure_writes_png_in_a_fresh_process(tmp_path):

@@ -35,6 +35,7 @@ from pathlib import Path
 FIGURES_ENV = "MK_NOTEBOOK_FIGURES"
 EXPORT_ENV = "MK_NOTEBOOK_EXPORT"      # "0": save_figure writes no file (the runner's --no-export)
 TRANSPORTS = ("ipc", "tcp")
+IPC_KERNEL = "mk.notebooks.ipc_kernel"   # `python -m` module of the ipc kernel (no TCP socket)
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 FIGURE_META = "mk_figure"              # layout.meta key naming a figure (save_figure)
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
@@ -120,6 +121,12 @@ def _kernel_manager(transport: str = "ipc"):
         def __init__(self, **kw):
             kw.setdefault("transport", transport)
             super().__init__(**kw)
+
+        def format_kernel_cmd(self, extra_arguments=None):
+            cmd = super().format_kernel_cmd(extra_arguments)
+            if self.transport == "ipc":     # ipykernel's launcher, with its own TCP sockets off
+                cmd = [IPC_KERNEL if a == "ipykernel_launcher" else a for a in cmd]
+            return cmd
 
     KernelManager.__name__ = f"{transport.upper()}KernelManager"
     return KernelManager
@@ -233,7 +240,8 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
                                     # failure-signal handler prints as a stack trace)
                                     shutdown_kernel="immediate")
             except Exception as e:  # papermill raises PapermillExecutionError with the cell
-                err = f"{nb.name}: {_failing_cell(target) if target.exists() else e}"
+                cell = _failing_cell(target) if target.exists() else "?"
+                err = f"{nb.name}: {cell if cell != '?' else f'{type(e).__name__}: {e}'}"
             secs = time.perf_counter() - t0
             if html and target.exists():
                 try:
