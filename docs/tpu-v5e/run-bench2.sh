@@ -2,11 +2,6 @@
 # The second bench run on the lent TPU v5e (2026-12-05): kernel and fair XLA step only (the oracle's
 # compiles do not fit one 10-minute call beside them), bf16 then MXFP4 experts.
 #   OUT=DIR bash docs/tpu-v5e/run-bench2.sh
-set -u
-OUT=${OUT:-tpu-out}; mkdir -p "$OUT"
-source .whl-tpu/env.sh
-export JAX_PLATFORMS=tpu,cpu
-step() { local name=$1 secs=$2; shift 2; local t0=$(date +%s)
-  timeout "$secs" "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"; echo "$name rc=$? $(( $(date +%s) - t0 ))s"; sleep 2; }
+STEP_PAUSE=2 source docs/tpu-v5e/steps.sh
 step bench-bf16 300 python3 -m mk bench --config k3-chip --experts bf16 --impl kernel,xla --json
 step bench-mxfp4 265 python3 -m mk bench --config k3-chip --experts mxfp4 --impl kernel,xla --json
