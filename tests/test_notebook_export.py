@@ -16,9 +16,9 @@ import pytest
 from mk.notebooks import runner as notebook_runner
 from mk.notebooks.runner import run_all
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import plotly  # noqa: E402,F401  (a declared dependency: a missing one fails)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FIGURE = """import plotly.graph_objects as go
 fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[3, 1, 2], name="offline-trace"))

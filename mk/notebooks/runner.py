@@ -163,18 +163,20 @@ def _kernel_name() -> str:
     return name
 
 
-def _failing_cell(nb_path: Path) -> str:
+def _failing_cell(nb_path: Path) -> str | None:
+    """'cell i (first line): error' of the executed notebook's first error output; None if it has
+    none or cannot be read."""
     import nbformat
     try:
         nb = nbformat.read(str(nb_path), as_version=4)
     except Exception:
-        return "?"
+        return None
     for i, cell in enumerate(nb.cells):
         for out in cell.get("outputs", []):
             if out.get("output_type") == "error":
                 first = cell.source.splitlines()[0] if cell.source else ""
                 return f"cell {i} ({first[:60]!r}): {out.get('ename')}: {str(out.get('evalue'))[:200]}"
-    return "?"
+    return None
 
 
 def export_html(nb_path: Path, html_path: Path):
@@ -240,8 +242,8 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
                                     # failure-signal handler prints as a stack trace)
                                     shutdown_kernel="immediate")
             except Exception as e:  # papermill raises PapermillExecutionError with the cell
-                cell = _failing_cell(target) if target.exists() else "?"
-                err = f"{nb.name}: {cell if cell != '?' else f'{type(e).__name__}: {e}'}"
+                cell = _failing_cell(target) if target.exists() else None
+                err = f"{nb.name}: {cell or f'{type(e).__name__}: {e}'}"
             secs = time.perf_counter() - t0
             if html and target.exists():
                 try:
