@@ -8,6 +8,7 @@ writes it, reading the parameters from `mk.model.params` or a checkpoint (`mk.io
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from mk.model.config import MX_GROUP, K3Config
@@ -17,13 +18,14 @@ from mk.kernel.plan import CODES_PER_WORD, SCALES_PER_WORD, Matrix, Plan, PlanEr
 # the kernel's integer dequantization (exponent arithmetic, no rounding) is exact; 2^(e - 127) for
 # e = 1 makes 0.5 * 2^-126 subnormal, e >= 253 makes 4 * 2^126 overflow.
 KERNEL_SCALE_RANGE = (2, 252)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _dense_matrix(params: dict, cfg: K3Config, m: Matrix, layer: int, latent_offset: int = 0) -> np.ndarray:
-    """The [k_pad, n_pad] bf16 (as float32 values) matrix `m` of `layer`, fused and zero padded.
-    `latent_offset`: this rank's `latent_offsets` entry; latent_down's columns and latent_up's rows
-    start that many lanes into their block."""
-    out = np.zeros((m.k_pad, m.n_pad), np.float32)
+    """The [k_pad, n_pad] bf16 matrix `m` of `layer`, fused and zero padded (bf16 throughout: the
+    values are copied, never widened). `latent_offset`: this rank's `latent_offsets` entry;
+    latent_down's columns and latent_up's rows start that many lanes into their block."""
+    out = np.zeros((m.k_pad, m.n_pad), BF16)
     row = latent_offset if m.name == "moe.latent_up" else 0
     for p in m.parts:
         fam, key = p.source
@@ -34,29 +36,42 @@ def _dense_matrix(params: dict, cfg: K3Config, m: Matrix, layer: int, latent_off
         else:
             idx = layer - 1 if fam == "moe" else cfg.family_index(layer)
             w = params[fam][key][idx]
-        w = np.asarray(w, np.float32)
-        if p.head_pad:
-            h, src, dst = p.head_pad
-            w = np.pad(w.reshape(w.shape[0], h, src), ((0, 0), (0, 0), (0, dst - src))).reshape(w.shape[0], h * dst)
+        w = _bf16(w)
         col = p.offset + (latent_offset if p.source == ("moe", "latent_down") else 0)
-        out[row:row + w.shape[0], col:col + w.shape[1]] = w
+        if p.head_pad:                      # h heads of src lanes, each in a dst-lane slot
+            h, src, dst = p.head_pad
+            for j in range(h):
+                out[row:row + w.shape[0], col + j * dst:col + j * dst + src] = w[:, j * src:(j + 1) * src]
+        else:
+            out[row:row + w.shape[0], col:col + w.shape[1]] = w
     return out
 
 
-def tile_matrix(w: np.ndarray, tk: int, tn: int) -> np.ndarray:
-    """[k_pad, n_pad] -> [n_tiles * k_tiles, tk, tn], column block major (the stream order)."""
+def _bf16(w) -> np.ndarray:
+    """A host bf16 view of `w` (a jax or numpy array): a copy off the device, no widening."""
+    w = np.asarray(w)
+    return w if w.dtype == BF16 else w.astype(BF16)
+
+
+def tile_matrix(w: np.ndarray, tk: int, tn: int, out: np.ndarray | None = None) -> np.ndarray:
+    """[k_pad, n_pad] -> [n_tiles * k_tiles, tk, tn], column block major (the stream order);
+    written into `out` (one copy) when given."""
     kt, nt = w.shape[0] // tk, w.shape[1] // tn
-    return w.reshape(kt, tk, nt, tn).transpose(2, 0, 1, 3).reshape(nt * kt, tk, tn)
+    t = w.reshape(kt, tk, nt, tn).transpose(2, 0, 1, 3)
+    if out is None:
+        return t.reshape(nt * kt, tk, tn)
+    out.reshape(nt, kt, tk, tn)[...] = t
+    return out
 
 
 def to_latent_blocks(x: np.ndarray, plan: Plan, axis: int) -> np.ndarray:
     """Lay the latent axis (length `latent`) of x out as the kernel's gathered latent vector:
     `devices` blocks of `latent_block` lanes, block j holding rank j's slice from lane
-    `latent_offsets[j]` on, zeros elsewhere."""
+    `latent_offsets[j]` on, zeros elsewhere. Keeps x's dtype."""
     N, lb, offs = plan.devices, plan.latent_block, plan.latent_offsets
-    x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+    x = np.moveaxis(np.asarray(x), axis, -1)
     per = x.shape[-1] // N
-    out = np.zeros(x.shape[:-1] + (N * lb,), np.float32)
+    out = np.zeros(x.shape[:-1] + (N * lb,), x.dtype)
     for j in range(N):
         out[..., j * lb + offs[j]:j * lb + offs[j] + per] = x[..., j * per:(j + 1) * per]
     return np.moveaxis(out, -1, axis)
@@ -75,7 +90,6 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
     experts may come from either tree (MXFP4 ones are dequantized).
     `params` is the whole model (mk.model.params layout); `mk.model.sharding.local_params` cuts the share.
     """
-    import ml_dtypes
     from mk.model.sharding import local_params
 
     cfg = plan.config
@@ -86,13 +100,14 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
     from mk.io.convert import aligned_empty
 
     # every matrix is tiled straight into its rows of the final array (no list of float32 tiles)
-    tiles = aligned_empty((plan.dense_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
+    tiles = aligned_empty((plan.dense_tiles, plan.tile_k, plan.tile_n), BF16)
     off, at = plan.latent_offsets[rank], 0
     for s in plan.streams:
         for m in s.pre + s.post:
-            t = tile_matrix(_dense_matrix(params, cfg, m, s.layer, off), plan.tile_k, plan.tile_n)
-            tiles[at:at + t.shape[0]] = t
-            at += t.shape[0]
+            w = _dense_matrix(params, cfg, m, s.layer, off)
+            n = (w.shape[0] // plan.tile_k) * (w.shape[1] // plan.tile_n)
+            tile_matrix(w, plan.tile_k, plan.tile_n, out=tiles[at:at + n])
+            at += n
     assert at == plan.dense_tiles, (at, plan.dense_tiles)
 
     out = {"tiles": tiles, "vectors": pack_vectors(plan, params, rank)}
@@ -113,24 +128,28 @@ def _expert_family(params: dict, key: str):
 
 
 def _pack_bf16_experts(plan: Plan, params: dict) -> np.ndarray:
-    import ml_dtypes
     cfg = plan.config
     E = plan.local_experts
-    experts = np.zeros((cfg.n_moe, E, plan.expert_tiles, plan.tile_k, plan.tile_n), ml_dtypes.bfloat16)
+    from mk.io.convert import aligned_empty
+    experts = aligned_empty((cfg.n_moe, E, plan.expert_tiles, plan.tile_k, plan.tile_n), BF16)
     gu, dn = plan.expert_gu, plan.expert_down
     fe = cfg.expert_hidden // plan.layout.tp_expert
-    w1f, w3f, w2f = (_expert_family(params, k) for k in ("w1", "w3", "w2"))
+    tk, tn = plan.tile_k, plan.tile_n
+    a = np.zeros((gu.k_pad, gu.n_pad), BF16)             # [K, N] of one expert, reused: only the
+    b = np.zeros((dn.k_pad, dn.n_pad), BF16)             # parts are rewritten, the padding stays 0
+    per = cfg.latent // plan.devices                     # rank j's latent slice, at lane offs[j] of block j
+    blocks = [(j * plan.latent_block + plan.latent_offsets[j], j * per) for j in range(plan.devices)]
+    w1f, w3f, w2f = (_expert_family(params, k) for k in ("w1", "w3", "w2"))   # [n_moe, E, K, N]
     for i in range(cfg.n_moe):
-        w1, w3 = (to_latent_blocks(f[i], plan, axis=1) for f in (w1f, w3f))     # [E, Lp, fe]
-        w2 = to_latent_blocks(w2f[i], plan, axis=2)                               # [E, fe, Lp]
+        w1, w3, w2 = (_bf16(f[i]) for f in (w1f, w3f, w2f))
         for e in range(E):
-            a = np.zeros((gu.k_pad, gu.n_pad), np.float32)
-            a[:w1.shape[1], gu.part("w1").offset:gu.part("w1").offset + fe] = w1[e]
-            a[:w3.shape[1], gu.part("w3").offset:gu.part("w3").offset + fe] = w3[e]
-            b = np.zeros((dn.k_pad, dn.n_pad), np.float32)
-            b[:fe, :w2.shape[2]] = w2[e]
-            experts[i, e] = np.concatenate([tile_matrix(a, plan.tile_k, plan.tile_n),
-                                            tile_matrix(b, plan.tile_k, plan.tile_n)]).astype(ml_dtypes.bfloat16)
+            for j, (dst, src) in enumerate(blocks):                             # latent rank blocks
+                for key, w in (("w1", w1[e]), ("w3", w3[e])):                   # [latent, fe]
+                    off = gu.part(key).offset
+                    a[dst:dst + per, off:off + fe] = w[src:src + per]
+                b[:fe, dst:dst + per] = w2[e][:, src:src + per]                  # [fe, latent]
+            tile_matrix(a, tk, tn, out=experts[i, e, :gu.tiles])
+            tile_matrix(b, tk, tn, out=experts[i, e, gu.tiles:])
     return experts
 
 

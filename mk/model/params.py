@@ -31,6 +31,8 @@ rounding-order noise between two correct implementations stays far below the log
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,6 +164,13 @@ def init_fast(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict:
     family `init`'s standard deviation (within a factor 2)}."""
     if experts not in ("bf16", "mxfp4"):
         raise ValueError(f"experts must be 'bf16' or 'mxfp4', found {experts!r}")
+    return _init_fast_jit(cfg, experts, jnp.uint32(seed))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_fast_jit(cfg: K3Config, experts: str, seed) -> dict:
+    """One program for the whole tree: eager `jax.random` compiled ~170 small programs (117 s for
+    k3-chip on a TPU v5e), this compiles one."""
     structs = shapes(cfg)
     leaves, tree = jax.tree_util.tree_flatten_with_path(structs)
     base = jax.random.PRNGKey(seed)
