@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The five notebooks on the lent TPU v5e, each in its own process through the runner's ipc kernel
+# (no TCP socket opens there), on the chip's default preset (k3-chip). Wheels: .whl-tpu made by
+#   ../shared/tools/tpu-prep $(cat docs/tpu-v5e/notebook-wheels.txt)
+# Usage (a call holds the chip at most 10 minutes, so a few notebooks per call):
+#   OUT=DIR bash docs/tpu-v5e/run-notebooks.sh 01:240 03:300
+# writes DIR/nbNN/ (executed notebook, its figures' data, notebook 03's trace under profile/) and
+# DIR/nbNN.log; compiled programs are shared between the processes through .jax_cache/.
+source docs/tpu-v5e/steps.sh
+export JAX_COMPILATION_CACHE_DIR=$PWD/.jax_cache
+for spec in "$@"; do
+  nb=${spec%%:*}; secs=${spec##*:}
+  step "nb$nb" "$secs" python3 -m mk notebooks --out "$OUT/nb$nb" --no-export --pause 5 --only "$nb"
+  tail -n 3 "$OUT/nb$nb.out"
+done
