@@ -37,6 +37,7 @@ import numpy as np
 
 from mk.model.config import K3Config, get_config
 from mk.errors import UserError
+from mk.perf.trace import SUMMARY_LINES, device_events  # noqa: F401  (the notebooks read traces with these)
 
 DEFAULT_CONFIG = {"cpu": "mini", "tpu": "k3-chip"}
 PLAN_CONFIG = {"cpu": "k3-slice", "tpu": "k3-chip"}
@@ -354,22 +355,9 @@ def verify_times(params: dict, cfg: K3Config, ks, *, steps: int = 20, warmup: in
 # ------------------------------------------------------------------------------------------------
 # Reading an XProf trace (jax.profiler.trace's *.xplane.pb) back
 # ------------------------------------------------------------------------------------------------
-SUMMARY_LINES = ("XLA Modules", "Steps", "XLA TraceMe", "Framework Ops", "Framework Name Scope")
-
-
-def device_events(xplane):
-    """Every event on a device plane ('/device:...') of an XSpace, as a DataFrame: plane, line,
-    name, start_ns, dur_ns. `xplane`: a path to *.xplane.pb or a `jax.profiler.ProfileData`."""
-    import pandas as pd
-    from jax.profiler import ProfileData
-    data = xplane if isinstance(xplane, ProfileData) else ProfileData.from_file(os.fspath(xplane))
-    rows = [(plane.name, line.name, e.name, e.start_ns, e.duration_ns)
-            for plane in data.planes if plane.name.startswith("/device:")
-            for line in plane.lines for e in line.events]
-    return pd.DataFrame(rows, columns=["plane", "line", "name", "start_ns", "dur_ns"])
-
-
 def _is_kernel_op(name: str, kernel: str) -> bool:
+    """`name`: an op's name, or (XProf's device plane on a TPU) its HLO text '%name.N = (...) custom-call(...)'."""
+    name = name.split(" = ", 1)[0].lstrip("%")
     return name == kernel or name.startswith(kernel + ".") or name.startswith(kernel + "_")
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import os
 import statistics
 import sys
 import time
@@ -150,6 +151,21 @@ def time_steps(step: Callable, new_cache: Callable[[], dict], tokens: np.ndarray
     return times
 
 
+def device_step_times(step: Callable, cache: dict, tok, steps: int) -> list[float]:
+    """Device seconds of `steps` more steps from `cache`, read from a `jax.profiler` trace (XProf's
+    device plane: the step program's own time, without the host's dispatch and sync that a wall
+    clock around each step also counts). [] where the trace has no device plane (CPU)."""
+    import glob
+    import tempfile
+    from mk.perf.trace import device_events, step_device_seconds
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                cache = jax.block_until_ready(step(cache, tok))[1]
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        return step_device_seconds(device_events(files[0]), steps) if files else []
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Set `kernel_speedup` = this impl's median / the kernel's at the same batch (how many times
     faster the kernel is; None for the kernel itself or where either has no time)."""
@@ -170,6 +186,9 @@ def finish_row(row: dict, nbytes: dict, bw: dict) -> dict:
     row["frac_datasheet"] = row["gb_s"] * 1e9 / bw["datasheet_bw"] if s and bw["datasheet_bw"] else None
     row["frac_stream"] = row["gb_s"] * 1e9 / bw["stream_bw"] if s and bw["stream_bw"] else None
     row["tok_s"] = row["batch"] / s if s else None
+    dev = row.get("device_median_ms")          # the step program on the device (XProf), no host dispatch
+    row["device_gb_s"] = nbytes["hbm_bytes"] / (dev / 1e3) / 1e9 if dev else None
+    row["device_frac_stream"] = row["device_gb_s"] * 1e9 / bw["stream_bw"] if dev and bw["stream_bw"] else None
     return row
 
 
@@ -223,8 +242,11 @@ def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str
 def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16", steps: int = 20,
             warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | None = None,
             params: dict | None = None, *, seed: int = 0, ctx: int = 256, progress: bool = True,
-            microbench_csv=None) -> list[dict]:
+            microbench_csv=None, device_steps: int = 5) -> list[dict]:
     """Time each impl at each batch on this TPU; returns rows (see `mk.cli.bench` for the fields).
+
+    device_steps: that many more steps of each case under `jax.profiler`, for the step program's
+    device time (`device_median_ms`, next to the wall clock's `median_ms`); 0: none.
 
     params: in `experts` format (MXFP4: the packed tree of `mk.io.checkpoint.load(..., experts=
     "mxfp4")`); default `mk.model.params.init_fast(cfg, seed, experts)` on the device."""
@@ -278,6 +300,10 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
             step = make_step()
             row.update(summarize(time_steps(step, lambda: reference.init_cache(cfg, B, ctx), tokens[B], warmup,
                                             ctx, on_output=on_output)))
+            if device_steps:
+                dev = device_step_times(step, reference.init_cache(cfg, B, ctx), jnp.asarray(tokens[B][0], jnp.int32),
+                                        device_steps)
+                row["device_median_ms"] = statistics.median(dev) * 1e3 if dev else None
         except Exception as e:                     # a case that does not compile or run: say why, go on
             msg = str(e).strip().splitlines()
             row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]

@@ -83,3 +83,36 @@ def write_trace(results, path: str | os.PathLike) -> str:
     with open(path, "w") as f:
         json.dump(doc, f)
     return path
+
+
+# ---- reading a measured trace back (jax.profiler -> XProf's xplane) -------------------------------
+SUMMARY_LINES = ("XLA Modules", "Steps", "XLA TraceMe", "Framework Ops", "Framework Name Scope")
+
+
+def device_events(xplane):
+    """Every event on a device plane ('/device:...') of an XSpace, as a DataFrame: plane, line,
+    name, start_ns, dur_ns. `xplane`: a path to *.xplane.pb or a `jax.profiler.ProfileData`."""
+    import pandas as pd
+    from jax.profiler import ProfileData
+    data = xplane if isinstance(xplane, ProfileData) else ProfileData.from_file(os.fspath(xplane))
+    rows = [(plane.name, line.name, e.name, e.start_ns, e.duration_ns)
+            for plane in data.planes if plane.name.startswith("/device:")
+            for line in plane.lines for e in line.events]
+    return pd.DataFrame(rows, columns=["plane", "line", "name", "start_ns", "dur_ns"])
+
+
+def step_device_seconds(ev, steps: int) -> list[float]:
+    """Device time of each of `steps` executions of the traced step program: on the first device
+    plane, the 'XLA Modules' program that ran at least `steps` times with the most time in all (a
+    step's helpers, e.g. a fresh cache, are programs of their own). [] when the trace has none (a CPU)."""
+    mods = ev[ev.line == "XLA Modules"]
+    if mods.empty:
+        return []
+    mods = mods[mods.plane == sorted(set(mods.plane))[0]]
+    counts = mods.groupby("name").dur_ns.agg(["count", "sum"])
+    counts = counts[counts["count"] >= steps]
+    if counts.empty:
+        return []
+    name = counts["sum"].idxmax()
+    runs = mods[mods.name == name].sort_values("start_ns")
+    return [d / 1e9 for d in runs.dur_ns.to_numpy()[-steps:]]
