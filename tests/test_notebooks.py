@@ -137,7 +137,11 @@ def test_tpu_default_is_the_chip_sized_model(monkeypatch):
 XSPACE = '''
 planes { id: 1 name: "/device:TPU:0"
   lines { id: 1 name: "XLA Modules" timestamp_ns: 1000
-    events { metadata_id: 9 offset_ps: 0 duration_ps: 9000000000 } }
+    events { metadata_id: 10 offset_ps: 0 duration_ps: 500000 }
+    events { metadata_id: 9 offset_ps: 600000 duration_ps: 9000000000 }
+    events { metadata_id: 10 offset_ps: 9800000000 duration_ps: 500000 }
+    events { metadata_id: 9 offset_ps: 9900000000 duration_ps: 9100000000 }
+    events { metadata_id: 10 offset_ps: 19500000000 duration_ps: 500000 } }
   lines { id: 2 name: "XLA Ops" timestamp_ns: 1000
     events { metadata_id: 1 offset_ps: 1000000 duration_ps: 8000000000 }
     events { metadata_id: 1 offset_ps: 10000000000 duration_ps: 8100000000 } }
@@ -146,11 +150,12 @@ planes { id: 1 name: "/device:TPU:0"
     events { metadata_id: 3 offset_ps: 3000000 duration_ps: 1000000000 }
     events { metadata_id: 4 offset_ps: 3100000000 duration_ps: 4000000000 }
     events { metadata_id: 2 offset_ps: 10002000000 duration_ps: 3000000000 } }
-  event_metadata { key: 1 value { id: 1 name: "k3_decode_step.3" } }
+  event_metadata { key: 1 value { id: 1 name: "%k3_decode_step.3 = (f32[8,32768]{1,0}, bf16[8,7168]{1,0}) custom-call(%copy.22), custom_call_target=\\"tpu_custom_call\\"" } }
   event_metadata { key: 2 value { id: 2 name: "moe_experts" } }
   event_metadata { key: 3 value { id: 3 name: "collective_moe_routed" } }
   event_metadata { key: 4 value { id: 4 name: "lm_head" } }
   event_metadata { key: 9 value { id: 9 name: "jit_step" } }
+  event_metadata { key: 10 value { id: 10 name: "jit_broadcast_in_dim" } }
 }
 planes { id: 2 name: "/host:CPU" lines { id: 1 name: "python" timestamp_ns: 0
     events { metadata_id: 1 offset_ps: 0 duration_ps: 5 } }
@@ -173,6 +178,23 @@ def test_trace_readers_find_the_kernel_and_its_regions():
     assert top[top.step == 0].dur_ns.sum() <= ops.dur_ns[0]
     with pytest.raises(NotebookError, match="no event named 'other_kernel'"):
         kernel_ops(ev, "other_kernel")
+
+
+def test_step_device_seconds_picks_the_step_program():
+    """mk bench's device time: the program run at least `steps` times with the most time (a fresh
+    cache's broadcasts are programs of their own, run as often), [] without a device plane."""
+    from mk.perf.trace import step_device_seconds
+    ev = device_events_of(XSPACE)
+    assert step_device_seconds(ev, 2) == pytest.approx([9e-3, 9.1e-3])
+    assert step_device_seconds(ev, 3) == pytest.approx([5e-7] * 3)          # only the helper ran 3 times
+    assert step_device_seconds(ev[ev.plane == "none"], 2) == []
+
+
+def device_events_of(text):
+    from jax.profiler import ProfileData
+
+    from mk.perf.trace import device_events
+    return device_events(ProfileData.from_text_proto(text))
 
 
 @pytest.mark.slow
