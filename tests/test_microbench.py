@@ -16,7 +16,7 @@ from mk.model.config import get_config
 
 def test_kernels_compute_what_they_time():
     rows = mb.check()
-    assert {r["name"].split(".")[0] for r in rows} == {"mxu", "dma", "vector"}
+    assert {r["name"].split(".")[0] for r in rows} == {"mxu", "dma", "vector", "dequant"}
     assert all(r["ok"] for r in rows), rows
 
 
@@ -27,11 +27,14 @@ def test_expected_values_catch_a_wrong_kernel():
     assert not np.allclose(want, 3 * x[:x.shape[0] // 2] @ w, rtol=1e-3)   # the LHS halves alternate
 
 
-def test_kernels_compile_for_tpu7x_at_their_timed_sizes():
-    rows = mb.compile_all("tpu7x:2x2x1")
-    assert len(rows) == len(mb.MXU_ROWS) + len(mb.MXU_DTYPES) - 1 + 2 * len(mb.DMA_SIZES) + 2
+@pytest.mark.parametrize("topology", ["tpu7x:2x2x1", "v5e:2x2"])
+def test_kernels_compile_at_their_timed_sizes(topology):
+    rows = mb.compile_all(topology)
+    assert len(rows) == len(mb.MXU_ROWS) + len(mb.MXU_DTYPES) - 1 + 2 * len(mb.DMA_SIZES) + 3
+    assert "dequant" in {r["name"] for r in rows}
     assert {"mxu.bf16xfp8.r32", "mxu.fp8.r32"} <= {r["name"] for r in rows}   # the seed's fp8 expert path
-    assert all(r["compiled"] for r in rows), [r for r in rows if not r["compiled"]]
+    fp8 = {"mxu.bf16xfp8.r32", "mxu.fp8.r32"} if topology.startswith("v5e") else set()   # no fp8 MXU on v5e
+    assert all(r["compiled"] for r in rows if r["name"] not in fp8), [r for r in rows if not r["compiled"]]
 
 
 def test_fits_invert_the_model():

@@ -628,6 +628,8 @@ def get_system(name: str, hardware_csv=None, microbench_csv=None, systems_csv=No
         put(_measured(mb, chip, "mxu_push_rows", "mxu_push_rows"))
         put(_measured(mb, chip, "vector_flops", "vector_flops"))
         put(_measured(mb, chip, "vector_bw", "vector_bw"))
+        if (chip, "dequant_op_rate") in mb.rows:     # the kernel's own unpack, timed (`mk microbench`)
+            put(_measured(mb, chip, "dequant_op_rate", "dequant_op_rate"))
         if devices > 1:                              # the links: spec App. B.4's TPU v7 collectives
             t0, bw = allreduce_phase_fit(mb, "8x8192")
             t0_lo, bw_lo = allreduce_phase_fit(mb, "64x4096")

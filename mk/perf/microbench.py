@@ -22,6 +22,11 @@ launch, the first DMA and the final write-back cancel.
   vector  y = y * a + a over a [rows, 1024] f32 VMEM block, `FMAS` times per pass: 2 FMAS flops
           per element per pass (vector_flops); and one load-multiply-store pass over a VMEM block
           too large for the registers (vector_bw: bytes read + written).
+  dequant the kernel's own MXFP4 tile dequantization (`mk.kernel.ring.dequantize_tile`, the shift
+          unpack every TPU lowers) of a [DEQ_K, DEQ_N] tile in VMEM into bf16, repeated: weights per
+          second times its vector ops per weight (`mk.kernel.schedule.DEQUANT_OPS`) is
+          `dequant_op_rate`, the rate the simulator charges in-VMEM dequantization at (a dependent
+          FMA chain, `vector_flops`, measures the VPU's latency more than its throughput).
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ DMA_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 DMA_INFLIGHT = 4
 VEC_ROWS, VEC_COLS, FMAS = 64, 1024, 16   # 256 KiB of f32: the vector registers' worth
 BW_ROWS = 2048                            # 8 MiB of f32: streamed through VMEM
+DEQ_K, DEQ_N = 512, 512                   # one expert tile of k3-chip's plan
 VMEM_LIMIT = 48 << 20
 
 
@@ -170,12 +176,67 @@ def vector_call(kind: str, reps: int, interpret=False):
         interpret=interpret, name=f"mk_microbench_vector_{kind}")
 
 
+def _dequant_kernel(codes_ref, scales_ref, o_ref, *, reps: int, tile):
+    # codes_ref: [DEQ_K / 8, DEQ_N] int32   scales_ref: [DEQ_K / 128, DEQ_N] int32   o_ref: [DEQ_K, DEQ_N] bf16 (VMEM)
+    from mk.kernel.ring import dequantize_tile
+
+    def body(i, carry):
+        dequantize_tile(codes_ref, scales_ref, o_ref, tile, "shift")
+        return carry
+
+    with jax.named_scope("dequant_tiles"):
+        jax.lax.fori_loop(0, reps, body, 0)
+
+
+def dequant_call(reps: int, interpret=False):
+    """`f(codes [DEQ_K / 8, DEQ_N] int32, scales [DEQ_K / 128, DEQ_N] int32) -> [DEQ_K, DEQ_N] bf16`: the
+    kernel's shift-unpack dequantization of one tile (layout `mk.kernel.packing.pack_mxfp4_tiles`), reps times."""
+    tile = dataclasses.make_dataclass("Tile", ["tile_k", "tile_n"])(DEQ_K, DEQ_N)
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    return pl.pallas_call(
+        partial(_dequant_kernel, reps=reps, tile=tile),
+        out_shape=jax.ShapeDtypeStruct((DEQ_K, DEQ_N), jnp.bfloat16),
+        in_specs=[vmem, vmem], out_specs=vmem,
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT),
+        interpret=interpret, name="mk_microbench_dequant")
+
+
+def dequant_args(rng) -> tuple[np.ndarray, np.ndarray]:
+    """Random E2M1 codes under E8M0 bytes 120..134, packed for the shift unpack: (codes, scales) words."""
+    from mk.kernel.packing import pack_mxfp4_tiles
+    codes = rng.integers(0, 16, (DEQ_K, DEQ_N), dtype=np.uint8)
+    scales = rng.integers(120, 135, (DEQ_K // 32, DEQ_N), dtype=np.uint8)
+    c, sc = pack_mxfp4_tiles(codes, scales, DEQ_K, DEQ_N, "shift")     # [1, rows, DEQ_N] each
+    return c[0], sc[0]
+
+
+def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray) -> np.ndarray:
+    """numpy: the shift layout's words -> the tile's values f32 [DEQ_K, DEQ_N] (code value x 2^(s - 127))."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    c, s = np.asarray(codes_words).view(np.uint32), np.asarray(scale_words).view(np.uint32)
+    codes = np.concatenate([(c >> np.uint32(4 * j)) & 15 for j in range(8)], axis=0)        # [DEQ_K, DEQ_N]
+    groups = np.concatenate([(s >> np.uint32(8 * j)) & 255 for j in range(4)], axis=0)      # [DEQ_K / 32, DEQ_N]
+    return e2m1[codes] * np.exp2(np.repeat(groups.astype(np.float32) - 127, 32, axis=0))
+
+
 # ------------------------------------------------------------------------------------------------
 # Inputs, expected outputs (the interpret-mode check), abstract shapes (the deviceless compile)
 # ------------------------------------------------------------------------------------------------
 # repeat counts (n1, n2) of the timing difference, per kernel family
-TIMED_REPS = {"mxu": (64, 512), "dma": (16, 64), "vector": (64, 512)}
-CHECK_REPS = {"mxu": 3, "dma": 4, "vector.fma": 2, "vector.pass": 3}
+TIMED_REPS = {"mxu": (64, 512), "dma": (16, 64), "vector": (64, 512), "dequant": (64, 512)}
+CHECK_REPS = {"mxu": 3, "dma": 4, "vector.fma": 2, "vector.pass": 3, "dequant": 2}
+
+
+DMA_REPEAT_BYTES = 256 << 20    # the larger repeat count of a DMA size copies at least this much
+
+
+def dma_reps(nbytes: int) -> tuple[int, int]:
+    """(n1, n2) copies of `nbytes` timed: TIMED_REPS["dma"], raised for small copies so that the
+    difference moves DMA_REPEAT_BYTES / 4 or more (16 vs 64 copies of 64 KiB differ by 3 MiB, about
+    4 us at the v5e's stream rate: below the timer noise of one call, and twice measured negative)."""
+    n1, n2 = TIMED_REPS["dma"]
+    n2 = max(n2, DMA_REPEAT_BYTES // nbytes)
+    return max(n1, n2 // 4), n2
 
 
 def _mxu_reps(rows, k, n, reps, interpret=False):
@@ -208,6 +269,7 @@ def cases(small: bool = False) -> list[tuple[str, object, tuple]]:
     a = (1 + 0.01 * rng.standard_normal((VEC_ROWS, VEC_COLS))).astype(np.float32)
     out.append(("vector.fma", partial(vector_call, "fma"), (a,)))
     out.append(("vector.pass", partial(vector_call, "pass"), (a[:8],)))
+    out.append(("dequant", dequant_call, dequant_args(rng)))
     return out
 
 
@@ -219,6 +281,8 @@ def expected(name: str, args) -> np.ndarray:
         return sum(x[(i % 2) * rows:(i % 2 + 1) * rows] @ w for i in range(CHECK_REPS["mxu"]))
     if name.startswith("dma"):
         return np.asarray(args[0][-1])
+    if name == "dequant":
+        return dequant_values(*args)
     a = np.asarray(args[0], np.float32)
     if name == "vector.fma":
         y = a
@@ -302,9 +366,10 @@ def measure(trials: int = 5, progress=None) -> dict:
     single = []
     for nbytes in DMA_SIZES:
         step(f"dma {nbytes >> 10} KiB")
-        src = jnp.asarray(rng.standard_normal((TIMED_REPS["dma"][1], nbytes // 512, 128)), jnp.float32)
-        t1 = per_repeat(lambda c: dma_call(nbytes, c, 1), (src,), *TIMED_REPS["dma"], trials)
-        tq = per_repeat(lambda c: dma_call(nbytes, c, DMA_INFLIGHT), (src,), *TIMED_REPS["dma"], trials)
+        reps = dma_reps(nbytes)
+        src = jnp.asarray(rng.standard_normal((reps[1], nbytes // 512, 128)), jnp.float32)
+        t1 = per_repeat(lambda c: dma_call(nbytes, c, 1), (src,), *reps, trials)
+        tq = per_repeat(lambda c: dma_call(nbytes, c, DMA_INFLIGHT), (src,), *reps, trials)
         single.append(t1)
         out["dma"][nbytes] = {"s_one_at_a_time": t1, f"s_{DMA_INFLIGHT}_inflight": tq, "stream_bw": nbytes / tq}
     latency, _ = line_fit(DMA_SIZES, single)
@@ -314,6 +379,11 @@ def measure(trials: int = 5, progress=None) -> dict:
     t_fma = per_repeat(lambda r: vector_call("fma", r), (a,), *TIMED_REPS["vector"], trials)
     t_pass = per_repeat(lambda r: vector_call("pass", r), (a[:8],), *TIMED_REPS["vector"], trials)
     out["vector"] = {"s_per_fma_pass": t_fma, "s_per_vmem_pass": t_pass}
+    step("dequant")
+    from mk.kernel.schedule import dequant_ops
+    t_deq = per_repeat(dequant_call, tuple(jnp.asarray(x) for x in dequant_args(rng)), *TIMED_REPS["dequant"], trials)
+    out["dequant"] = {"s_per_tile": t_deq, "weights_per_s": DEQ_K * DEQ_N / t_deq,
+                      "ops_per_weight": dequant_ops("bf16", "shift")}
     out["constants"] = {
         "mxu_push_rows": out["mxu"][MXU_ROWS[0]]["push_rows"],
         "dma_descriptor_latency": max(latency, 0.0),
@@ -321,6 +391,7 @@ def measure(trials: int = 5, progress=None) -> dict:
         "vector_flops": 2 * FMAS * VEC_ROWS * VEC_COLS / t_fma,
         "vector_bw": 2 * BW_ROWS * VEC_COLS * 4 / t_pass,
         "mxu_bf16xfp8_vs_bf16": out["mxu_dtypes"]["bf16xfp8"]["vs_bf16"],
+        "dequant_op_rate": out["dequant"]["weights_per_s"] * out["dequant"]["ops_per_weight"],
     }
     return out
 
@@ -338,6 +409,8 @@ CONSTANTS = {
     "vector_flops": ("flop/s", f"{FMAS} dependent f32 multiply-adds per element of a [{VEC_ROWS}, {VEC_COLS}] "
                                f"block, 2 flops each"),
     "vector_bw": ("bytes/s", f"load-multiply-store passes over a [{BW_ROWS}, {VEC_COLS}] f32 VMEM block"),
+    "dequant_op_rate": ("op/s", f"the kernel's MXFP4 dequantization (shift unpack) of a [{DEQ_K}, {DEQ_N}] VMEM tile "
+                                f"into bf16, repeated: weights/s x its vector ops per weight"),
     "mxu_bf16xfp8_vs_bf16": ("ratio", f"context: a [{DTYPE_ROWS}, K] bf16 x [K, N] float8_e4m3fn matmul's time "
                                       f"over the bf16 one's (the fp8 MXFP4 path's weight push)"),
 }
@@ -357,6 +430,8 @@ def implausible(res: dict) -> list[str]:
     if res.get("latency_intercept", 0.0) < 0:
         why.append(f"dma_descriptor_latency intercept {res['latency_intercept']:.3g} s < 0")
     why += [f"mxu {r}-row matmul {v['s']:.3g} s <= 0" for r, v in res["mxu"].items() if not v["s"] > 0]
+    if "dequant" in res and not res["dequant"]["s_per_tile"] > 0:
+        why.append(f"dequant {res['dequant']['s_per_tile']:.3g} s per tile <= 0")
     return why
 
 
@@ -424,6 +499,7 @@ def compile_all(topology: str = "tpu7x:2x2x1") -> list[dict]:
     for name, make, args in cases(small=False):
         reps = TIMED_REPS[name.split(".")[0]][1]
         if name.startswith("dma"):                     # the source holds one chunk per copy
+            reps = dma_reps(int(name.split(".")[1]))[1]
             args = (np.zeros((reps,) + args[0].shape[1:], np.float32),)
         r = _compile(make(reps), tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args), device)
         rows.append({"name": name, "compiled": r.compiled, "error": r.error})

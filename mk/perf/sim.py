@@ -72,6 +72,7 @@ class Machine:
     mxu_push_rows: int = 1
     vector_flops: float = 1e13
     vector_bw: float = 1e13
+    dequant_op_rate: float | None = None    # in-VMEM MXFP4 dequantization, measured; None: vector_flops
     links: dict = dataclasses.field(default_factory=lambda: {"ici": (0.0, 1e11)})   # link -> (latency, bw)
     launch_gap: float = 0.0
     step_overhead: float = 0.0
@@ -88,6 +89,7 @@ class Machine:
                    flops={k.split(".")[1]: c.value for k, c in K.items() if k.startswith("flops.")},
                    mxu_min_rows=int(v("mxu_min_rows")), mxu_push_rows=int(v("mxu_push_rows")),
                    vector_flops=v("vector_flops"), vector_bw=v("vector_bw"), links=links,
+                   dequant_op_rate=K["dequant_op_rate"].value if "dequant_op_rate" in K else None,
                    launch_gap=K["launch_gap"].value if "launch_gap" in K else 0.0,
                    step_overhead=v("step_overhead"),
                    fixed={"routing": K["routing"].value} if "routing" in K else {},
@@ -115,7 +117,7 @@ class Machine:
             rows_eff = max(-(-rows // self.mxu_min_rows) * self.mxu_min_rows, self.mxu_push_rows)
             out["mxu"] = float(ph.flops) * rows_eff / rows / self.peak(ph.dtype or "bf16")
             if ph.vector_ops:
-                out["dequant"] = float(ph.vector_ops) / self.vector_flops
+                out["dequant"] = float(ph.vector_ops) / (self.dequant_op_rate or self.vector_flops)
         elif ph.kind == "vector":
             out["vector"] = max(float(ph.flops) / self.vector_flops, float(ph.vector_bytes or 0) / self.vector_bw)
         elif ph.kind != "collective":
