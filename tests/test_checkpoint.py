@@ -235,6 +235,23 @@ def test_logits_bench_prints_peak_rss_against_the_checkpoint(ckpt, tmp_path, mon
     assert res["backend"] == "kernel" and res["checkpoint_bytes"] == ck.checkpoint_bytes(ckpt[0])
     assert 0 < res["rss_before_bytes"] <= res["peak_rss_bytes"]
     assert res["peak_rss_over_checkpoint"] == res["peak_rss_bytes"] / res["checkpoint_bytes"]
+    kinds = res["peak_rss_by_kind"]                  # sampled from /proc/self/status: whose memory it is
+    assert set(kinds) == {"VmRSS", "RssAnon", "RssFile", "RssShmem"}
+    assert 0 < kinds["RssAnon"] <= kinds["VmRSS"] <= res["peak_rss_bytes"] * 1.01
+    assert res["peak_rss_anon_over_checkpoint"] == kinds["RssAnon"] / res["checkpoint_bytes"]
+
+
+def test_rss_sampler_sees_a_short_lived_peak():
+    """An allocation made and freed inside the block still shows in the anonymous peak."""
+    import time
+
+    from mk.cli.checkpoint import RssSampler
+    base = RssSampler.read()["RssAnon"]
+    with RssSampler(interval=0.01) as s:
+        x = np.ones(64 << 20, np.uint8)                  # 64 MiB touched
+        time.sleep(0.1)
+        del x
+    assert s.peaks["RssAnon"] >= base + (60 << 20)
 
 
 def test_kernel_backend_missing_is_a_clear_error(ckpt, tmp_path, monkeypatch, capsys):

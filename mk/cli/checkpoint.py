@@ -94,14 +94,20 @@ def teacher_forced_fn(backend: str):
 
 def _logits(args) -> int:
     t0, rss0 = time.perf_counter(), rss_bytes()
-    rc = _logits_run(args)
+    with RssSampler(enabled=args.bench) as sampler:
+        rc = _logits_run(args)
     if args.bench and rc == 0:
         from mk.io.checkpoint import checkpoint_bytes
         n, peak = checkpoint_bytes(args.checkpoint), peak_rss_bytes()
+        anon = sampler.peaks.get("RssAnon")
         res = {"checkpoint": args.checkpoint, "backend": args.backend, "checkpoint_bytes": n,
                "peak_rss_bytes": peak, "peak_rss_over_checkpoint": peak / n, "rss_before_bytes": rss0,
+               "peak_rss_by_kind": sampler.peaks, "peak_rss_anon_over_checkpoint": anon / n if anon else None,
                "seconds": time.perf_counter() - t0,
-               "measured": "getrusage ru_maxrss of this process (load + pack + run), this host"}
+               "measured": "getrusage ru_maxrss of this process (load + pack + run), this host; by kind: "
+                           f"/proc/self/status sampled every {sampler.interval * 1e3:.0f} ms (anonymous: the "
+                           "process's own heap and maps; file and shmem: mapped files and shared memory, "
+                           "e.g. a TPU runtime's)"}
         print(json.dumps(res) if args.json else
               f"peak RSS {peak / 1e9:.3f} GB = {peak / n:.2f}x the checkpoint's {n / 1e9:.3f} GB on disk "
               f"({args.backend} backend, {res['seconds']:.1f} s)")
@@ -221,6 +227,55 @@ def drop_page_cache(files):
             fh.write("1\n")
     except OSError as e:
         raise UserError(f"--cold: cannot drop the page cache ({e}); run as root or without --cold") from None
+
+
+class RssSampler:
+    """Peaks of this process's resident set by kind (/proc/self/status VmRSS, RssAnon, RssFile,
+    RssShmem, in bytes), sampled by a thread every `interval` s while the block runs. A peak of
+    the total says how much memory the process held; the kinds say whose: anonymous memory is the
+    process's own (arrays, heap), file and shmem maps may be a runtime's (libtpu's on a TPU VM).
+    `peaks` is {} where /proc is not there or `enabled` is false."""
+    KINDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+    def __init__(self, interval: float = 0.05, enabled: bool = True):
+        self.interval, self.enabled, self.peaks = interval, enabled, {}
+
+    @classmethod
+    def read(cls) -> dict:
+        out = {}
+        try:
+            with open("/proc/self/status") as fh:
+                for line in fh:
+                    key, _, rest = line.partition(":")
+                    if key in cls.KINDS:
+                        out[key] = int(rest.split()[0]) * 1024        # kB
+        except OSError:
+            pass
+        return out
+
+    def sample(self):
+        for k, v in self.read().items():
+            self.peaks[k] = max(self.peaks.get(k, 0), v)
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self):
+        import threading
+        if self.enabled:
+            self.sample()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._stop.set()
+            self._thread.join()
+            self.sample()
+        return False
 
 
 def peak_rss_bytes() -> int:
