@@ -101,6 +101,16 @@ def device_events(xplane):
     return pd.DataFrame(rows, columns=["plane", "line", "name", "start_ns", "dur_ns"])
 
 
+def host_annotation_count(xplane, name: str) -> int:
+    """How many host-side annotations (`jax.profiler.TraceAnnotation`, `StepTraceAnnotation`) named
+    `name` an XSpace holds (TraceMe metadata after '#' ignored). The xplane keeps every event, where
+    the trace viewer's trace.json stops at a million (a region-traced kernel fills that)."""
+    from jax.profiler import ProfileData
+    data = xplane if isinstance(xplane, ProfileData) else ProfileData.from_file(os.fspath(xplane))
+    return sum(e.name.split("#")[0] == name for plane in data.planes if not plane.name.startswith("/device:")
+               for line in plane.lines for e in line.events)
+
+
 def step_device_seconds(ev, steps: int) -> list[float]:
     """Device time of each of `steps` executions of the traced step program: on the first device
     plane, the 'XLA Modules' program that ran at least `steps` times with the most time in all (a
