@@ -1,6 +1,7 @@
 """The notebooks as committed (no stale outputs, a parameters cell) and the headless runner."""
 import os
 
+import numpy as np
 import nbformat
 import pytest
 
@@ -178,6 +179,25 @@ def test_trace_readers_find_the_kernel_and_its_regions():
     assert top[top.step == 0].dur_ns.sum() <= ops.dur_ns[0]
     with pytest.raises(NotebookError, match="no event named 'other_kernel'"):
         kernel_ops(ev, "other_kernel")
+
+
+def test_host_annotations_and_outermost_regions():
+    """The traced steps are counted on the xplane's host planes (trace.json caps at 1e6 events); a
+    region is outermost when no other span holds it, the same as the all-pairs definition."""
+    from jax.profiler import ProfileData
+
+    from mk.notebooks.helpers import host_annotation_count, outermost
+    data = ProfileData.from_text_proto(XSPACE)
+    assert host_annotation_count(data, "k3_decode_step") == 1 and host_annotation_count(data, "moe_experts") == 0
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 10))
+        s = rng.integers(0, 8, n)
+        e = s + rng.integers(0, 5, n)
+        held = (s[None, :] <= s[:, None]) & (e[:, None] <= e[None, :]) & ~np.eye(n, dtype=bool)
+        twin = (s[None, :] == s[:, None]) & (e[:, None] == e[None, :])
+        earlier = np.tril(np.ones((n, n), bool), -1)
+        assert (outermost(s, e) == ~(held & (~twin | earlier)).any(axis=1)).all(), (s, e)
 
 
 def test_step_device_seconds_picks_the_step_program():

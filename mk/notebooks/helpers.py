@@ -379,6 +379,17 @@ def kernel_ops(ev, kernel: str | None = None):
     return hit[hit.line == line].sort_values("start_ns").reset_index(drop=True)
 
 
+def outermost(start, end) -> np.ndarray:
+    """[n] bool: span i = [start[i], end[i]] lies inside no other span (of identical spans, the
+    first counts as outermost). One sort, O(n log n): a region-traced step has 1e5 spans."""
+    order = np.lexsort((np.arange(len(start)), -np.asarray(end), np.asarray(start)))   # by start, longest first
+    e = np.asarray(end)[order]
+    before = np.concatenate([[np.iinfo(np.int64).min], np.maximum.accumulate(e)[:-1]])  # latest end of any earlier span
+    top = np.empty(len(start), bool)
+    top[order] = e > before
+    return top
+
+
 def kernel_regions(ev, ops):
     """The named regions inside the kernel's executions (`jax.named_scope` in the kernel body becomes
     a trace region when libtpu runs with --xla_enable_custom_call_region_trace=true): events of the
@@ -394,11 +405,7 @@ def kernel_regions(ev, ops):
         r = cand[(cand.start_ns >= op.start_ns) & (cand.start_ns + cand.dur_ns <= end)].copy()
         if r.empty:
             continue
-        s, e = r.start_ns.to_numpy(), (r.start_ns + r.dur_ns).to_numpy()
-        inside = (s[None, :] <= s[:, None]) & (e[:, None] <= e[None, :]) & ~np.eye(len(r), dtype=bool)
-        same = (s[None, :] == s[:, None]) & (e[:, None] == e[None, :])      # identical spans: keep the first
-        earlier = np.tril(np.ones((len(r), len(r)), bool), -1)
-        r["top"] = ~(inside & (~same | earlier)).any(axis=1)
+        r["top"] = outermost(r.start_ns.to_numpy(), (r.start_ns + r.dur_ns).to_numpy())
         r.insert(0, "step", i)
         parts.append(r)
     cols = ["step", "plane", "line", "name", "start_ns", "dur_ns", "top"]
