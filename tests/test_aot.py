@@ -19,17 +19,18 @@ GENERATIONS = [("v5e:2x2", "v5e"), ("v6e:2x2", "v6e"), ("tpu7x:2x2x1", "tpu7x")]
 @pytest.mark.parametrize("batch", [1, 8])
 def test_mini_compiles(topology, chip, experts, batch):
     """One device, default options, both expert formats, every generation we name (MXFP4 unpacked
-    with integer shifts on v5e / v6e, the fp4 bitcast on TPU v7: the plan's choice)."""
+    with integer ops, two bf16 patterns per lane, on v5e / v6e, the fp4 bitcast on TPU v7: the plan's choice)."""
     plan = make_plan(get_config("mini"), batch, chip=chip, experts=experts)
-    assert plan.mxfp4_unpack == ("bitcast" if chip == "tpu7x" else "shift")
+    assert plan.mxfp4_unpack == ("bitcast" if chip == "tpu7x" else "pairs")
     r = compile_kernel(plan, topology)
     assert r.compiled, r.error
 
 
 @pytest.mark.parametrize("topology,chip", GENERATIONS)
 def test_every_option_compiles_where_the_chip_allows_it(topology, chip):
-    """The fp8 MXU path (needs an fp8 MXU: refused on v5e in one line), both MXFP4 unpacks where
-    they lower, and two-round all-reduces on 4 devices."""
+    """The fp8 MXU path (needs an fp8 MXU: refused on v5e in one line), every MXFP4 unpack where
+    it lowers, the bf16 path with the integer unpack mini's default does not take, and two-round
+    all-reduces on 4 devices."""
     import dataclasses
     from mk.kernel.plan import MK
     from mk.model.layout import PlanError
@@ -40,10 +41,13 @@ def test_every_option_compiles_where_the_chip_allows_it(topology, chip):
         with pytest.raises(PlanError, match="needs an fp8 MXU, which v5e lacks"):
             make_plan(cfg, 2, chip=chip, experts="mxfp4", options=fp8)
     else:
-        for unpack in ("shift",) + (("bitcast",) if chip == "tpu7x" else ()):
+        for unpack in ("pairs", "shift") + (("bitcast",) if chip == "tpu7x" else ()):
             opts = dataclasses.replace(fp8, mxfp4_unpack=unpack)
             r = compile_kernel(make_plan(cfg, 2, chip=chip, experts="mxfp4", options=opts), topology)
             assert r.compiled, (unpack, r.error)
+    shift = make_plan(cfg, 1, chip=chip, experts="mxfp4", options=dataclasses.replace(MK, mxfp4_unpack="shift"))
+    r = compile_kernel(shift, topology)
+    assert r.compiled, ("shift", r.error)
     tp = get_config("mini-tp8")
     for experts in ("mxfp4", "bf16"):
         plan = make_plan(tp, 4, chip=chip, experts=experts, layout=default_layout(tp, 4),

@@ -16,9 +16,9 @@ from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH
 # in both formats: "mxfp4" (packed in HBM; the reference runs on their dequantization) at B = 1
 # (dequantized to bf16 tiles in VMEM) and 8 (the fp8 MXU path: e4m3 codes, block-diagonal LHS, group
 # partials; the reference sums the expert matmuls by 32-row group), bf16 tiles elsewhere.
-# MXFP4 codes are unpacked with integer shifts at B = 1 (v5e / v6e's path) and by the fp4 bitcast at
-# B = 8 (TPU v7's; `Plan.mxfp4_unpack`).
-CASES = [(1, 0, "bf16", "bf16", "auto"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "bf16", "shift"),
+# MXFP4 codes are unpacked two bf16 patterns per integer lane at B = 1 (v5e / v6e's path) and by the
+# fp4 bitcast at B = 8 (TPU v7's; `Plan.mxfp4_unpack`).
+CASES = [(1, 0, "bf16", "bf16", "auto"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "bf16", "pairs"),
          (2, 1, "bf16", "bf16", "auto"), (4, DEFAULT_PREFETCH_DEPTH, "bf16", "bf16", "auto"),
          (8, 0, "bf16", "bf16", "auto"), (8, DEFAULT_PREFETCH_DEPTH, "mxfp4", "fp8", "bitcast")]
 

@@ -479,8 +479,8 @@ def test_v5e_plan_is_the_kernels_default_plan(v5e):
         assert (plan.tile_k, plan.tile_n) == default_tile(K3_CHIP) and plan.prefetch_depth == DEFAULT_PREFETCH_DEPTH
         assert plan.vmem_planned_bytes <= plan.vmem_limit == 64 * 2 ** 20 and plan.experts == e
         assert plan.options.mxfp4_matmul == "bf16" and plan.options.kernel and plan.devices == 1
-        assert plan.mxfp4_unpack == "shift"                   # the plan's unpack on v5e
-        assert info["dequant_ops_per_weight"] == (DEQUANT_OPS["bf16", "shift"] if e == "mxfp4" else 0)
+        assert plan.mxfp4_unpack == "pairs"                   # the plan's unpack on v5e
+        assert info["dequant_ops_per_weight"] == (DEQUANT_OPS["bf16", "pairs"] if e == "mxfp4" else 0)
         assert ("dequant" in r["mk"]["breakdown_s"]) == (e == "mxfp4")
 
 
@@ -496,16 +496,16 @@ def test_pinned_v5e_step_times_and_the_measured_ones(v5e, key):
 
 
 def test_v5e_dequantization_cost_follows_the_named_op_count(monkeypatch, v5e):
-    """MXFP4 dequantization on v5e is costed at DEQUANT_OPS[('bf16', 'shift')] vector ops per weight
-    (the kernel's integer unpack, `Plan.mxfp4_unpack`) at the measured vector rate: changing the
-    count changes the modelled dequantization in proportion; TPU v7's bitcast unpack costs 4."""
+    """MXFP4 dequantization on v5e is costed at DEQUANT_OPS[('bf16', 'pairs')] vector ops per weight
+    (the kernel's integer unpack, `Plan.mxfp4_unpack`) at the measured rate: changing the count
+    changes the modelled dequantization in proportion; TPU v7's bitcast unpack costs 4."""
     from mk.kernel import schedule
     base = v5e["mxfp4", 1]["mk"]["breakdown_s"]["dequant"]
     ops = dict(schedule.DEQUANT_OPS)
-    monkeypatch.setitem(schedule.DEQUANT_OPS, ("bf16", "shift"), 2 * ops["bf16", "shift"])
+    monkeypatch.setitem(schedule.DEQUANT_OPS, ("bf16", "pairs"), 2 * ops["bf16", "pairs"])
     r = sim.predict(K3_CHIP, 1, "tpu-v5e", experts="mxfp4")
     assert r["mk"]["breakdown_s"]["dequant"] == pytest.approx(2 * base, rel=1e-6)
-    assert schedule.dequant_ops("bf16", "bitcast") == 4 < ops["bf16", "shift"]
+    assert schedule.dequant_ops("bf16", "bitcast") == 4 < ops["bf16", "pairs"] < ops["bf16", "shift"]
 
 
 def test_v5e_refuses_the_fp8_paths_in_one_line(capsys):

@@ -103,10 +103,11 @@ def add_step_options(p) -> None:
                    help="how the kernel's MXFP4 experts meet the MXU: 'bf16' (dequantized to a bf16 tile) or "
                         "'fp8' (codes to e4m3, a block-diagonal LHS, 32-row group partials scaled and summed: "
                         "spec 3.5)")
-    p.add_argument("--mxfp4-unpack", choices=("auto", "shift", "bitcast"), default="auto",
-                   help="how the kernel unpacks MXFP4 codes: 'shift' (integer shifts and masks, every TPU), "
+    p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "shift", "bitcast"), default="auto",
+                   help="how the kernel unpacks MXFP4 codes: 'pairs' (two bf16 patterns per 32-bit integer op, "
+                        "every TPU), 'shift' (integer shifts and masks into f32, every TPU), "
                         "'bitcast' (the fp4 unpack, TPU v7 only), 'auto' (the chip's: bitcast on TPU v7 and in "
-                        "interpret mode, shift elsewhere)")
+                        "interpret mode, pairs elsewhere)")
 
 
 def step_options(args) -> dict:

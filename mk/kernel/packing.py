@@ -172,6 +172,9 @@ def mxfp4_codes_kn(packed: np.ndarray) -> np.ndarray:
     return np.swapaxes(codes, -1, -2)
 
 
+UNPACKS = ("pairs", "shift", "bitcast")      # `Plan.mxfp4_unpack`: the code word layouts
+
+
 def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
                      unpack: str = "bitcast") -> tuple[np.ndarray, np.ndarray]:
     """codes u8 [..., k_pad, n_pad] (values 0..15), scales u8 [..., k_pad / 32, n_pad] -> the
@@ -180,10 +183,12 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
     Code words, by how the kernel unpacks them (`Plan.mxfp4_unpack`): 'bitcast': word w holds tile
     rows 8w .. 8w + 7 of a column, row 8w + j in bits 4j .. 4j + 3 (spec 2.3's kernel layout, the
     order in which `pltpu.bitcast` unpacks an int32 [r, n] into E2M1 [8r, n]); 'shift': planes, row
-    j * tk / 8 + w in bits 4j .. 4j + 3 (a shift by 4j gives rows j * tk / 8 .. as one block).
+    j * tk / 8 + w in bits 4j .. 4j + 3 (a shift by 4j gives rows j * tk / 8 .. as one block);
+    'pairs': bf16 pairs, rows j * tk / 4 + 2w (+ 1) in bits 4j .. (16 + 4j ..), codes re-encoded by
+    `pairs_nibble` (a shift by 4j puts the two codes of rows j * tk / 4 + 2w, + 1 at bits 0 and 16).
     Scale byte j of word w is row-group block j (group j * tk / 128 + w)."""
-    if unpack not in ("bitcast", "shift"):
-        raise PlanError(f"unpack must be 'bitcast' or 'shift', found {unpack!r}")
+    if unpack not in UNPACKS:
+        raise PlanError(f"unpack must be one of {UNPACKS}, found {unpack!r}")
     *lead, kp, npad = codes.shape
     kt, nt = kp // tk, npad // tn
 
@@ -192,10 +197,13 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
         x = np.moveaxis(x, -2, -4)          # [..., nt, kt, rows, tn]
         return x.reshape(*lead, nt * kt, rows, tn)
 
-    def words(x, per, bits, interleaved):   # [..., T, per * r, tn] -> [..., T, r, tn] int32
+    def words(x, per, bits, order):         # [..., T, per * r, tn] -> [..., T, r, tn] int32
         r = x.shape[-2] // per
-        if interleaved:                     # part j of word w: row per * w + j
+        if order == "bitcast":              # part j of word w: row per * w + j
             x = np.moveaxis(x.reshape(*x.shape[:-2], r, per, tn), -2, -3)
+        elif order == "pairs":              # part j + 4h of word w: row j * 2r + 2w + h
+            x = x.reshape(*x.shape[:-2], per // 2, r, 2, tn)
+            x = np.moveaxis(x, -2, -4).reshape(*x.shape[:-4], per, r, tn)
         else:                               # part j of word w: row j * r + w
             x = x.reshape(*x.shape[:-2], per, r, tn)
         w = np.zeros(x.shape[:-3] + x.shape[-2:], np.uint32)
@@ -203,8 +211,17 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
             w |= x[..., j, :, :].astype(np.uint32) << np.uint32(bits * j)
         return w.view(np.int32)
 
-    return (words(tiles(codes, tk), CODES_PER_WORD, 4, unpack == "bitcast"),
-            words(tiles(scales, tk // MX_GROUP), SCALES_PER_WORD, 8, False))
+    codes = pairs_nibble(codes) if unpack == "pairs" else codes
+    return (words(tiles(codes, tk), CODES_PER_WORD, 4, unpack),
+            words(tiles(scales, tk // MX_GROUP), SCALES_PER_WORD, 8, "shift"))
+
+
+def pairs_nibble(codes: np.ndarray) -> np.ndarray:
+    """E2M1 codes u8 -> the 'pairs' unpack's nibbles: sign | k, where the magnitude codes 0 (zero) and 1
+    (0.5) trade places, so that every nonzero magnitude's bf16 bits are linear in k
+    (`mk.kernel.ring.pair_bits`). Its own inverse."""
+    codes = np.asarray(codes, np.uint8)
+    return codes ^ ((codes & 6) == 0).astype(np.uint8)
 
 
 def check_kernel_scales(scale: np.ndarray, what: str):

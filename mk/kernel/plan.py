@@ -64,9 +64,11 @@ VMEM_BYTES = {"v5e": 128 * MiB, "v5p": 96 * MiB, "v6e": 128 * MiB, "tpu7x": 64 *
 # Chips whose MXU takes fp8 operands (the `mxfp4_matmul='fp8'` path); "cpu" is interpret mode.
 FP8_MXU = ("v6e", "tpu7x", "cpu")
 # How each chip unpacks MXFP4 codes in VMEM (`Plan.mxfp4_unpack`): 'bitcast' reinterprets int32 words
-# as E2M1 and converts (Mosaic lowers the fp4 unpack on TPU v7 only); 'shift' builds the f32 bit
-# patterns with integer shifts, masks and selects (every generation). Chips not named: 'shift'.
+# as E2M1 and converts (Mosaic lowers the fp4 unpack on TPU v7 only); 'pairs' builds two bf16 bit
+# patterns per 32-bit lane with integer ops (every generation); 'shift', one f32 pattern per lane
+# with shifts, masks and selects (every generation; the first v5e kernel's). Chips not named: 'pairs'.
 MXFP4_UNPACK = {"tpu7x": "bitcast", "cpu": "bitcast"}
+DEFAULT_UNPACK = "pairs"
 # jax `device_kind` -> mk.kernel.plan chip name
 CHIP_OF_DEVICE_KIND = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
                        "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x", "TPU v7": "tpu7x", "cpu": "cpu"}
@@ -297,6 +299,7 @@ class ScheduleOptions:
                    'fp8': codes converted to fp8, block-diagonal LHS (the seed, spec 3.5; chips
                    with an fp8 MXU, `FP8_MXU`)
     mxfp4_unpack   how the kernel turns code words into values: 'auto': the chip's (`MXFP4_UNPACK`);
+                   'pairs': integer ops building two bf16 bit patterns per 32-bit lane (every TPU);
                    'shift': integer shifts and masks into f32 bit patterns (every TPU); 'bitcast':
                    `pltpu.bitcast` to E2M1 and one conversion (TPU v7). The packed code layout
                    follows (`pack_mxfp4_tiles`)
@@ -319,7 +322,7 @@ class ScheduleOptions:
     CHOICES = {"program": ("megakernel", "per_op"), "dma": ("tile", "matrix"), "prefetch": ("ring", "lookahead"),
                "expert_issue": ("routing", "selection"), "collectives": ("merged", "seed"),
                "message_rows": ("tile", "packed"), "all_reduce": ("one_round", "two_round"), "recipe": ("base", "tuned"), "mxfp4_matmul": ("bf16", "fp8"),
-               "mxfp4_unpack": ("auto", "shift", "bitcast")}
+               "mxfp4_unpack": ("auto", "pairs", "shift", "bitcast")}
 
     def __post_init__(self):
         for f, allowed in self.CHOICES.items():
@@ -564,10 +567,10 @@ class Plan:
 
     @property
     def mxfp4_unpack(self) -> str:
-        """How the kernel unpacks MXFP4 code words on this plan's chip: 'shift' or 'bitcast'
+        """How the kernel unpacks MXFP4 code words on this plan's chip: 'pairs', 'shift' or 'bitcast'
         (`ScheduleOptions.mxfp4_unpack`; 'auto' takes the chip's, `MXFP4_UNPACK`)."""
         u = self.options.mxfp4_unpack
-        return MXFP4_UNPACK.get(self.chip, "shift") if u == "auto" else u
+        return MXFP4_UNPACK.get(self.chip, DEFAULT_UNPACK) if u == "auto" else u
 
     @property
     def expert_bytes(self) -> int:

@@ -82,16 +82,77 @@ def unpack_codes(codes, exponent, unpack: str) -> jax.Array:
 
 def dequantize_tile(codes, scales, out, m: Matrix, unpack: str = "shift"):
     """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
-    layout: `mk.kernel.packing.pack_mxfp4_tiles`) -> out [tile_k, tile_n] bf16 ref, exactly
-    value(code) * 2^(s - 127).
+    layout: `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`) -> out [tile_k, tile_n] bf16 ref,
+    exactly value(code) * 2^(s - 127), by the plan's `mxfp4_unpack` (`unpack_codes`). Whole-tile
+    ops (interpret mode runs each primitive separately)."""
+    unpack_codes(codes, group_exponents(scales), unpack, out)
 
-    Each group's exponent (s - 1) << 23 (`group_exponents`) is broadcast over its 32 rows and the
-    codes unpacked by `unpack_codes` ('shift' | 'bitcast', the plan's `mxfp4_unpack`); bf16 holds
-    every product exactly. Whole-tile ops (interpret mode runs each primitive separately)."""
-    tk, tn = m.tile_k, m.tile_n
-    exponent = (group_exponents(scales) - 1) << 23                                     # [tk / 32, tn]
-    exponent = jnp.broadcast_to(exponent[:, None, :], (tk // MX_GROUP, MX_GROUP, tn)).reshape(tk, tn)
-    out[...] = unpack_codes(codes, exponent, unpack).astype(jnp.bfloat16)
+
+def _rows(group_rows, rows: int) -> jax.Array:
+    """[g, n] -> [g * rows, n]: row i of group_rows repeated `rows` times (a sublane broadcast)."""
+    g, n = group_rows.shape
+    return jnp.broadcast_to(group_rows[:, None, :], (g, rows, n)).reshape(g * rows, n)
+
+
+def pair_bits(x, e_pair) -> jax.Array:
+    """x [r, n] int32 holding two re-encoded codes (`mk.kernel.packing.pairs_nibble`: sign | k) at
+    bits 0-3 and 16-19 (higher bits of each half ignored), e_pair [r, n] int32: (s - 1) << 7 in both
+    halves -> both halves' bf16 bit patterns of value(code) * 2^(s - 127).
+
+    The re-encoding makes a magnitude's bf16 bits linear in k: 0.5, 1, 1.5, 2, 3, 4, 6 are k = 0, 2,
+    3, .. 7, bits (s - 1) << 7 + 64 k; zero is k = 1 and masked to 0. Every op acts on both 16-bit
+    halves at once (no carry crosses bit 16): 10 integer ops for two weights."""
+    k6 = (x << 6) & 0x01C001C0                                  # k << 6 in each half (bits 6-8, 22-24)
+    nonzero = ((k6 ^ 0x00400040) + 0x01C001C0) & 0x02000200     # bit 9 / 25: k != 1
+    keep = (nonzero << 7) - jax.lax.shift_right_logical(nonzero, 9)   # 0xFFFF in each half where k != 1
+    sign = (x << 12) & (-0x7FFF8000)                            # the code's bit 3 -> bits 15 and 31 (0x80008000)
+    return ((e_pair + k6) & keep) | sign
+
+
+def e2m1_bits(nibbles, exponent) -> jax.Array:
+    """nibbles [r, n] int32 whose low 4 bits are E2M1 codes (higher bits ignored), exponent [r, n]
+    int32: (s - 1) << 23 for a scale 2^(s - 127) -> the f32 bit patterns of value(code) * 2^(s - 127).
+
+    E2M1 is sign | e (2 bits) | m: 0, 0.5 (e = 0) and 2^(e - 1) (1 + m / 2). Shifted left by 22,
+    e and m land on the low exponent bits and the top mantissa bit of an f32: adding (s - 1) << 23
+    gives the exponent e + s - 1 of value * 2^(s - 127) for e >= 1; the subnormal 0.5 is 2^(s - 128),
+    exponent s - 1 with no mantissa: `exponent` itself. Integer ops only, no rounding: exact for
+    s in 2..252, where every product is a normal f32 (and bf16) number."""
+    em = (nibbles & 7) << 22                                     # e, m at f32 bits 23-24, 22
+    mag = jnp.where(em >= 2 << 22, em + exponent, jnp.where(em == 1 << 22, exponent, 0))
+    return mag | ((nibbles & 8) << 28)                           # the sign bit
+
+
+def unpack_codes(codes, s, unpack: str, out) -> None:
+    """codes [tile_k / 8, tile_n] int32 ref (layout: `mk.kernel.packing.pack_mxfp4_tiles` for
+    `unpack`), s [tile_k / 32, tile_n] int32 E8M0 bytes (group g = rows 32 g ..) -> out [tile_k,
+    tile_n] ref (bf16, or float8_e4m3fn for unit scales) = value(code) * 2^(s - 127).
+
+    'pairs' (every TPU): plane j of the words (a logical shift by 4j) holds rows j tk/4 .. as
+    bf16 pairs, built two at a time in 32-bit lanes (`pair_bits`) and reinterpreted as bf16
+    (`pltpu.bitcast`: low half row 2w, high half row 2w + 1).
+    'shift' (every TPU): plane j is rows j tk/8 .., one f32 bit pattern per lane (`e2m1_bits`, about
+    10 integer ops per weight), then converted to bf16.
+    'bitcast' (TPU v7): `pltpu.bitcast` to E2M1 (row 8w + j = bits 4j .. of word w), one conversion
+    to bf16 and a multiply by the power of two (exact)."""
+    tk, tn = out.shape
+    words = codes[...]                                                                 # [tk / 8, tn]
+    if unpack == "pairs":
+        e_pair = (s - 1) << 7
+        e_pair = _rows(e_pair | (e_pair << 16), MX_GROUP // 2)                         # [tk / 2, tn], one per word row
+        q = tk // 4                                                                    # rows per plane
+        for j in range(CODES_PER_WORD // 2):
+            bits = pair_bits(jax.lax.shift_right_logical(words, 4 * j), e_pair[j * q // 2:(j + 1) * q // 2])
+            out[j * q:(j + 1) * q] = pltpu.bitcast(bits, jnp.bfloat16).astype(out.dtype)   # [tk / 4, tn]
+        return
+    if unpack == "bitcast":
+        scale = jax.lax.bitcast_convert_type(_rows(s, MX_GROUP) << 23, jnp.float32).astype(jnp.bfloat16)
+        out[...] = (pltpu.bitcast(words, jnp.float4_e2m1fn).astype(jnp.bfloat16) * scale).astype(out.dtype)
+        return
+    nibbles = jnp.concatenate([jax.lax.shift_right_logical(words, 4 * j) for j in range(CODES_PER_WORD)],
+                              axis=0)                                                  # [tk, tn]
+    bits = e2m1_bits(nibbles, (_rows(s, MX_GROUP) - 1) << 23)
+    out[...] = jax.lax.bitcast_convert_type(bits, jnp.float32).astype(out.dtype)
 
 
 def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix, unpack: str = "shift"):
@@ -111,8 +172,8 @@ def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix, unpack: str = "s
     G, R = tk // MX_GROUP, x.shape[0]
     if unpack == "bitcast":
         w8[...] = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn)   # [tk, tn]
-    else:                                                                            # scale 2^0
-        w8[...] = unpack_codes(codes, jnp.full((tk, tn), 126 << 23, jnp.int32), unpack).astype(jnp.float8_e4m3fn)
+    else:
+        unpack_codes(codes, jnp.full((G, tn), 127, jnp.int32), unpack, w8)           # [tk, tn] e4m3, scale 2^0
     xs = jnp.concatenate([x.astype(jnp.float32)] * G, axis=0)                        # [G R, tk]
     row_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 0) // R
     col_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 1) // MX_GROUP

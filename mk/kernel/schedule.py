@@ -39,8 +39,12 @@ from mk.kernel.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError,
 #           conversion and the store: 15 (v5e, v6e);
 #   ('fp8', 'bitcast'): the seed (spec 3.5): one fp4 -> fp8 conversion per weight, the E8M0 group
 #           scales applied to [B, T/32, N] partial products (per group, not per weight): 1;
-#   ('fp8', 'shift'): the shift, concatenation and `e2m1_bits` (12), the e4m3 conversion and store: 14.
-DEQUANT_OPS = {("bf16", "bitcast"): 4, ("bf16", "shift"): 15, ("fp8", "bitcast"): 1, ("fp8", "shift"): 14}
+#   ('fp8', 'shift'): the shift, concatenation and `e2m1_bits` (12), the e4m3 conversion and store: 14;
+#   ('bf16', 'pairs'): per two weights in one 32-bit lane, the plane shift, `pair_bits` (13), the
+#           broadcast exponent pair and the store of the bitcast pair: 16, so 8 per weight (v5e, v6e);
+#   ('fp8', 'pairs'): the same and a bf16 -> e4m3 conversion: 10.
+DEQUANT_OPS = {("bf16", "bitcast"): 4, ("bf16", "shift"): 15, ("bf16", "pairs"): 8,
+               ("fp8", "bitcast"): 1, ("fp8", "shift"): 14, ("fp8", "pairs"): 10}
 
 
 def dequant_ops(mxfp4_matmul: str, unpack: str) -> int:

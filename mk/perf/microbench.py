@@ -22,11 +22,12 @@ launch, the first DMA and the final write-back cancel.
   vector  y = y * a + a over a [rows, 1024] f32 VMEM block, `FMAS` times per pass: 2 FMAS flops
           per element per pass (vector_flops); and one load-multiply-store pass over a VMEM block
           too large for the registers (vector_bw: bytes read + written).
-  dequant the kernel's own MXFP4 tile dequantization (`mk.kernel.ring.dequantize_tile`, the shift
-          unpack every TPU lowers) of a [DEQ_K, DEQ_N] tile in VMEM into bf16, repeated: weights per
-          second times its vector ops per weight (`mk.kernel.schedule.DEQUANT_OPS`) is
-          `dequant_op_rate`, the rate the simulator charges in-VMEM dequantization at (a dependent
-          FMA chain, `vector_flops`, measures the VPU's latency more than its throughput).
+  dequant the kernel's own MXFP4 tile dequantization (`mk.kernel.ring.dequantize_tile`) of a
+          [DEQ_K, DEQ_N] tile in VMEM into bf16, repeated, by each unpack every TPU lowers ('pairs',
+          'shift'): weights per second. That of the chip's own unpack (`mk.kernel.plan.MXFP4_UNPACK`)
+          times its vector ops per weight (`mk.kernel.schedule.DEQUANT_OPS`) is `dequant_op_rate`,
+          the rate the simulator charges in-VMEM dequantization at (a dependent FMA chain,
+          `vector_flops`, measures the VPU's latency more than its throughput).
 """
 from __future__ import annotations
 
@@ -176,45 +177,54 @@ def vector_call(kind: str, reps: int, interpret=False):
         interpret=interpret, name=f"mk_microbench_vector_{kind}")
 
 
-def _dequant_kernel(codes_ref, scales_ref, o_ref, *, reps: int, tile):
+def _dequant_kernel(codes_ref, scales_ref, o_ref, *, reps: int, tile, unpack: str):
     # codes_ref: [DEQ_K / 8, DEQ_N] int32   scales_ref: [DEQ_K / 128, DEQ_N] int32   o_ref: [DEQ_K, DEQ_N] bf16 (VMEM)
     from mk.kernel.ring import dequantize_tile
 
     def body(i, carry):
-        dequantize_tile(codes_ref, scales_ref, o_ref, tile, "shift")
+        dequantize_tile(codes_ref, scales_ref, o_ref, tile, unpack)
         return carry
 
     with jax.named_scope("dequant_tiles"):
         jax.lax.fori_loop(0, reps, body, 0)
 
 
-def dequant_call(reps: int, interpret=False):
+def dequant_call(reps: int, interpret=False, unpack: str = "shift"):
     """`f(codes [DEQ_K / 8, DEQ_N] int32, scales [DEQ_K / 128, DEQ_N] int32) -> [DEQ_K, DEQ_N] bf16`: the
-    kernel's shift-unpack dequantization of one tile (layout `mk.kernel.packing.pack_mxfp4_tiles`), reps times."""
+    kernel's dequantization of one tile by `unpack` (layout `mk.kernel.packing.pack_mxfp4_tiles`), reps times."""
     tile = dataclasses.make_dataclass("Tile", ["tile_k", "tile_n"])(DEQ_K, DEQ_N)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     return pl.pallas_call(
-        partial(_dequant_kernel, reps=reps, tile=tile),
+        partial(_dequant_kernel, reps=reps, tile=tile, unpack=unpack),
         out_shape=jax.ShapeDtypeStruct((DEQ_K, DEQ_N), jnp.bfloat16),
         in_specs=[vmem, vmem], out_specs=vmem,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT),
-        interpret=interpret, name="mk_microbench_dequant")
+        interpret=interpret, name=f"mk_microbench_dequant_{unpack}")
 
 
-def dequant_args(rng) -> tuple[np.ndarray, np.ndarray]:
-    """Random E2M1 codes under E8M0 bytes 120..134, packed for the shift unpack: (codes, scales) words."""
+DEQUANT_UNPACKS = ("pairs", "shift")      # the unpacks every TPU lowers (`mk.kernel.plan.MXFP4_UNPACK`)
+
+
+def dequant_args(rng, unpack: str = "shift") -> tuple[np.ndarray, np.ndarray]:
+    """Random E2M1 codes under E8M0 bytes 120..134, packed for `unpack`: (codes, scales) words."""
     from mk.kernel.packing import pack_mxfp4_tiles
     codes = rng.integers(0, 16, (DEQ_K, DEQ_N), dtype=np.uint8)
     scales = rng.integers(120, 135, (DEQ_K // 32, DEQ_N), dtype=np.uint8)
-    c, sc = pack_mxfp4_tiles(codes, scales, DEQ_K, DEQ_N, "shift")     # [1, rows, DEQ_N] each
+    c, sc = pack_mxfp4_tiles(codes, scales, DEQ_K, DEQ_N, unpack)     # [1, rows, DEQ_N] each
     return c[0], sc[0]
 
 
-def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray) -> np.ndarray:
-    """numpy: the shift layout's words -> the tile's values f32 [DEQ_K, DEQ_N] (code value x 2^(s - 127))."""
+def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray, unpack: str = "shift") -> np.ndarray:
+    """numpy: the `unpack` layout's words -> the tile's values f32 [DEQ_K, DEQ_N] (code value x 2^(s - 127))."""
+    from mk.kernel.packing import pairs_nibble
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     c, s = np.asarray(codes_words).view(np.uint32), np.asarray(scale_words).view(np.uint32)
-    codes = np.concatenate([(c >> np.uint32(4 * j)) & 15 for j in range(8)], axis=0)        # [DEQ_K, DEQ_N]
+    part = [(c >> np.uint32(4 * j)) & 15 for j in range(8)]                                # [DEQ_K / 8, DEQ_N] each
+    if unpack == "pairs":      # part j + 4h of word w: row j DEQ_K / 4 + 2w + h, re-encoded
+        codes = pairs_nibble(np.concatenate([np.stack(part[j::4], axis=1).reshape(-1, c.shape[1])
+                                             for j in range(4)], axis=0))
+    else:
+        codes = np.concatenate(part, axis=0)                                                 # [DEQ_K, DEQ_N]
     groups = np.concatenate([(s >> np.uint32(8 * j)) & 255 for j in range(4)], axis=0)      # [DEQ_K / 32, DEQ_N]
     return e2m1[codes] * np.exp2(np.repeat(groups.astype(np.float32) - 127, 32, axis=0))
 
@@ -269,7 +279,8 @@ def cases(small: bool = False) -> list[tuple[str, object, tuple]]:
     a = (1 + 0.01 * rng.standard_normal((VEC_ROWS, VEC_COLS))).astype(np.float32)
     out.append(("vector.fma", partial(vector_call, "fma"), (a,)))
     out.append(("vector.pass", partial(vector_call, "pass"), (a[:8],)))
-    out.append(("dequant", dequant_call, dequant_args(rng)))
+    for unpack in DEQUANT_UNPACKS:
+        out.append((f"dequant.{unpack}", partial(dequant_call, unpack=unpack), dequant_args(rng, unpack)))
     return out
 
 
@@ -281,8 +292,8 @@ def expected(name: str, args) -> np.ndarray:
         return sum(x[(i % 2) * rows:(i % 2 + 1) * rows] @ w for i in range(CHECK_REPS["mxu"]))
     if name.startswith("dma"):
         return np.asarray(args[0][-1])
-    if name == "dequant":
-        return dequant_values(*args)
+    if name.startswith("dequant"):
+        return dequant_values(*args, unpack=name.split(".")[1])
     a = np.asarray(args[0], np.float32)
     if name == "vector.fma":
         y = a
@@ -379,11 +390,18 @@ def measure(trials: int = 5, progress=None) -> dict:
     t_fma = per_repeat(lambda r: vector_call("fma", r), (a,), *TIMED_REPS["vector"], trials)
     t_pass = per_repeat(lambda r: vector_call("pass", r), (a[:8],), *TIMED_REPS["vector"], trials)
     out["vector"] = {"s_per_fma_pass": t_fma, "s_per_vmem_pass": t_pass}
-    step("dequant")
     from mk.kernel.schedule import dequant_ops
-    t_deq = per_repeat(dequant_call, tuple(jnp.asarray(x) for x in dequant_args(rng)), *TIMED_REPS["dequant"], trials)
-    out["dequant"] = {"s_per_tile": t_deq, "weights_per_s": DEQ_K * DEQ_N / t_deq,
-                      "ops_per_weight": dequant_ops("bf16", "shift")}
+    from mk.kernel.plan import CHIP_OF_DEVICE_KIND, DEFAULT_UNPACK, MXFP4_UNPACK
+    out["dequant"] = {}
+    for unpack in DEQUANT_UNPACKS:
+        step(f"dequant {unpack}")
+        t_deq = per_repeat(partial(dequant_call, unpack=unpack), tuple(jnp.asarray(x) for x in dequant_args(rng, unpack)),
+                           *TIMED_REPS["dequant"], trials)
+        out["dequant"][unpack] = {"s_per_tile": t_deq, "weights_per_s": DEQ_K * DEQ_N / t_deq,
+                                  "ops_per_weight": dequant_ops("bf16", unpack)}
+    own = MXFP4_UNPACK.get(CHIP_OF_DEVICE_KIND.get(dev.device_kind), DEFAULT_UNPACK)
+    own = own if own in out["dequant"] else DEQUANT_UNPACKS[0]
+    out["dequant_unpack"] = own
     out["constants"] = {
         "mxu_push_rows": out["mxu"][MXU_ROWS[0]]["push_rows"],
         "dma_descriptor_latency": max(latency, 0.0),
@@ -391,7 +409,7 @@ def measure(trials: int = 5, progress=None) -> dict:
         "vector_flops": 2 * FMAS * VEC_ROWS * VEC_COLS / t_fma,
         "vector_bw": 2 * BW_ROWS * VEC_COLS * 4 / t_pass,
         "mxu_bf16xfp8_vs_bf16": out["mxu_dtypes"]["bf16xfp8"]["vs_bf16"],
-        "dequant_op_rate": out["dequant"]["weights_per_s"] * out["dequant"]["ops_per_weight"],
+        "dequant_op_rate": out["dequant"][own]["weights_per_s"] * out["dequant"][own]["ops_per_weight"],
     }
     return out
 
@@ -409,7 +427,7 @@ CONSTANTS = {
     "vector_flops": ("flop/s", f"{FMAS} dependent f32 multiply-adds per element of a [{VEC_ROWS}, {VEC_COLS}] "
                                f"block, 2 flops each"),
     "vector_bw": ("bytes/s", f"load-multiply-store passes over a [{BW_ROWS}, {VEC_COLS}] f32 VMEM block"),
-    "dequant_op_rate": ("op/s", f"the kernel's MXFP4 dequantization (shift unpack) of a [{DEQ_K}, {DEQ_N}] VMEM tile "
+    "dequant_op_rate": ("op/s", f"the kernel's MXFP4 dequantization (the chip's unpack) of a [{DEQ_K}, {DEQ_N}] VMEM tile "
                                 f"into bf16, repeated: weights/s x its vector ops per weight"),
     "mxu_bf16xfp8_vs_bf16": ("ratio", f"context: a [{DTYPE_ROWS}, K] bf16 x [K, N] float8_e4m3fn matmul's time "
                                       f"over the bf16 one's (the fp8 MXFP4 path's weight push)"),
@@ -430,8 +448,8 @@ def implausible(res: dict) -> list[str]:
     if res.get("latency_intercept", 0.0) < 0:
         why.append(f"dma_descriptor_latency intercept {res['latency_intercept']:.3g} s < 0")
     why += [f"mxu {r}-row matmul {v['s']:.3g} s <= 0" for r, v in res["mxu"].items() if not v["s"] > 0]
-    if "dequant" in res and not res["dequant"]["s_per_tile"] > 0:
-        why.append(f"dequant {res['dequant']['s_per_tile']:.3g} s per tile <= 0")
+    why += [f"dequant ({u}) {r['s_per_tile']:.3g} s per tile <= 0" for u, r in res.get("dequant", {}).items()
+            if not r["s_per_tile"] > 0]
     return why
 
 
