@@ -188,3 +188,18 @@ def test_implausible_timings_are_not_written():
     res["constants"] = dict(res["constants"], dma_stream_bw=7.9e11)
     res["latency_intercept"] = 1e-6
     assert mb.implausible(res) == []
+
+
+def test_only_the_plausible_constants_are_written(tmp_path):
+    """The second 2026-12-05 v5e run (docs/tpu-v5e/2026-12-05/microbench-pairs.json): its copies in
+    flight were slower each than one at a time at 4 MiB, so its DMA constants are refused, while
+    its MXU, vector and dequantization constants stand."""
+    import json
+    from pathlib import Path
+    res = json.loads((Path(__file__).parent.parent / "docs/tpu-v5e/2026-12-05/microbench-pairs.json").read_text())
+    res["dma"] = {int(k): v for k, v in res["dma"].items()}
+    res["mxu"] = {int(k): v for k, v in res["mxu"].items()}
+    why = mb.implausible_by_constant(res)
+    assert set(why) == {"dma_stream_bw", "dma_descriptor_latency"}
+    assert any("4096 KiB: 4 copies in flight take" in w for w in why["dma_stream_bw"])
+    assert res["dequant"]["pairs"]["weights_per_s"] > res["dequant"]["shift"]["weights_per_s"] > 0

@@ -61,12 +61,16 @@ def run(args) -> int:
     res = mb.measure(args.trials, step)
     bar.close()
     res["implausible"] = mb.implausible(res)
-    if args.write and res["implausible"]:
-        raise mb.MicrobenchError(f"--write: not writing {args.write}: the timings are not plausible "
-                                 f"({'; '.join(res['implausible'][:3])}); run it again on an idle chip")
+    refused = mb.implausible_by_constant(res)
     if args.write:
-        res["written"] = str(mb.write_microbench_csv(res["constants"], args.write, mb.source_label(res["device_kind"]),
-                                                     res["chip"]))
+        keep = {k: v for k, v in res["constants"].items() if k not in refused}
+        if not keep:
+            raise mb.MicrobenchError(f"--write: not writing {args.write}: no constant's timings are plausible "
+                                     f"({'; '.join(res['implausible'][:3])}); run it again on an idle chip")
+        res["written"] = str(mb.write_microbench_csv(keep, args.write, mb.source_label(res["device_kind"]), res["chip"]))
+        res["not_written"] = sorted(refused)
+        for k in sorted(refused):
+            print(f"--write: {k} not written ({'; '.join(refused[k][:2])})", file=sys.stderr)
     if args.json:
         json.dump(res, sys.stdout, indent=2, default=float)
         sys.stdout.write("\n")
