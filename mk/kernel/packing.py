@@ -184,8 +184,8 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
     rows 8w .. 8w + 7 of a column, row 8w + j in bits 4j .. 4j + 3 (spec 2.3's kernel layout, the
     order in which `pltpu.bitcast` unpacks an int32 [r, n] into E2M1 [8r, n]); 'shift': planes, row
     j * tk / 8 + w in bits 4j .. 4j + 3 (a shift by 4j gives rows j * tk / 8 .. as one block);
-    'pairs': row 2j * tk / 8 + 32 (w // 16) + 16h + w % 16 in bits 4j + 16h .. (h = 0, 1: the two
-    halves the kernel builds at once, one 32-row group), codes re-encoded by `pairs_nibble`.
+    'pairs': bf16 pairs, rows j * tk / 4 + 2w (+ 1) in bits 4j .. (16 + 4j ..), codes re-encoded by
+    `pairs_nibble` (a shift by 4j puts the two codes of rows j * tk / 4 + 2w, + 1 at bits 0 and 16).
     Scale byte j of word w is row-group block j (group j * tk / 128 + w)."""
     if unpack not in UNPACKS:
         raise PlanError(f"unpack must be one of {UNPACKS}, found {unpack!r}")
@@ -201,9 +201,9 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
         r = x.shape[-2] // per
         if order == "bitcast":              # part j of word w: row per * w + j
             x = np.moveaxis(x.reshape(*x.shape[:-2], r, per, tn), -2, -3)
-        elif order == "pairs":              # part j + 4h of word w: row 2j r + 32 (w // 16) + 16h + w % 16
-            x = x.reshape(*x.shape[:-2], per // 2, r // 16, 2, 16, tn)
-            x = np.moveaxis(x, -3, -5).reshape(*x.shape[:-5], per, r, tn)
+        elif order == "pairs":              # part j + 4h of word w: row j * 2r + 2w + h
+            x = x.reshape(*x.shape[:-2], per // 2, r, 2, tn)
+            x = np.moveaxis(x, -2, -4).reshape(*x.shape[:-4], per, r, tn)
         else:                               # part j of word w: row j * r + w
             x = x.reshape(*x.shape[:-2], per, r, tn)
         w = np.zeros(x.shape[:-3] + x.shape[-2:], np.uint32)

@@ -94,23 +94,18 @@ def _rows(group_rows, rows: int) -> jax.Array:
     return jnp.broadcast_to(group_rows[:, None, :], (g, rows, n)).reshape(g * rows, n)
 
 
-def _shift(x, n: int):
-    """x << n, or a logical x >> -n for n < 0."""
-    return x << n if n >= 0 else jax.lax.shift_right_logical(x, -n)
-
-
-def pair_bits(words, j: int, e_pair) -> jax.Array:
-    """words [r, n] int32 holding re-encoded codes (`mk.kernel.packing.pairs_nibble`: sign | k) at
-    bits 4j .. 4j + 3 and 16 + 4j .. (the rest ignored), e_pair [r, n] int32: (s - 1) << 7 in both
-    16-bit halves -> both halves' bf16 bit patterns of value(code) * 2^(s - 127).
+def pair_bits(x, e_pair) -> jax.Array:
+    """x [r, n] int32 holding two re-encoded codes (`mk.kernel.packing.pairs_nibble`: sign | k) at
+    bits 0-3 and 16-19 (higher bits of each half ignored), e_pair [r, n] int32: (s - 1) << 7 in both
+    halves -> both halves' bf16 bit patterns of value(code) * 2^(s - 127).
 
     The re-encoding makes a magnitude's bf16 bits linear in k: 0.5, 1, 1.5, 2, 3, 4, 6 are k = 0, 2,
     3, .. 7, bits (s - 1) << 7 + 64 k; zero is k = 1 and masked to 0. Every op acts on both 16-bit
-    halves at once (no carry crosses bit 16): 13 integer ops for two weights."""
-    k6 = _shift(words, 6 - 4 * j) & 0x01C001C0                  # k << 6 in each half (bits 6-8, 22-24)
+    halves at once (no carry crosses bit 16): 10 integer ops for two weights."""
+    k6 = (x << 6) & 0x01C001C0                                  # k << 6 in each half (bits 6-8, 22-24)
     nonzero = ((k6 ^ 0x00400040) + 0x01C001C0) & 0x02000200     # bit 9 / 25: k != 1
     keep = (nonzero << 7) - jax.lax.shift_right_logical(nonzero, 9)   # 0xFFFF in each half where k != 1
-    sign = _shift(words, 12 - 4 * j) & (-0x7FFF8000)            # the code's bit 3 -> bits 15 and 31 (0x80008000)
+    sign = (x << 12) & (-0x7FFF8000)                            # the code's bit 3 -> bits 15 and 31 (0x80008000)
     return ((e_pair + k6) & keep) | sign
 
 
@@ -133,11 +128,9 @@ def unpack_codes(codes, s, unpack: str, out) -> None:
     `unpack`), s [tile_k / 32, tile_n] int32 E8M0 bytes (group g = rows 32 g ..) -> out [tile_k,
     tile_n] ref (bf16, or float8_e4m3fn for unit scales) = value(code) * 2^(s - 127).
 
-    'pairs' (every TPU): bits 4j .. and 16 + 4j .. of word row w hold two rows of one 32-row group
-    (`mk.kernel.packing.pack_mxfp4_tiles`), built as bf16 patterns two at a time in 32-bit lanes
-    (`pair_bits`); each half then becomes an f32 pattern (a shift or a mask) and converts exactly
-    to bf16, the halves interleaved by 16 rows (a `pltpu.bitcast` of the pairs would repack every
-    word on v5e: its row order is not the chip's).
+    'pairs' (every TPU): plane j of the words (a logical shift by 4j) holds rows j tk/4 .. as
+    bf16 pairs, built two at a time in 32-bit lanes (`pair_bits`) and reinterpreted as bf16
+    (`pltpu.bitcast`: low half row 2w, high half row 2w + 1).
     'shift' (every TPU): plane j is rows j tk/8 .., one f32 bit pattern per lane (`e2m1_bits`, about
     10 integer ops per weight), then converted to bf16.
     'bitcast' (TPU v7): `pltpu.bitcast` to E2M1 (row 8w + j = bits 4j .. of word w), one conversion
@@ -147,13 +140,10 @@ def unpack_codes(codes, s, unpack: str, out) -> None:
     if unpack == "pairs":
         e_pair = (s - 1) << 7
         e_pair = _rows(e_pair | (e_pair << 16), MX_GROUP // 2)                         # [tk / 2, tn], one per word row
-        r = tk // CODES_PER_WORD                                                       # word rows
+        q = tk // 4                                                                    # rows per plane
         for j in range(CODES_PER_WORD // 2):
-            bits = pair_bits(words, j, e_pair[j * r:(j + 1) * r])                      # [tk / 8, tn]: two rows each
-            low = jax.lax.bitcast_convert_type(bits << 16, jnp.float32).astype(out.dtype)        # exact
-            high = jax.lax.bitcast_convert_type(bits & -0x10000, jnp.float32).astype(out.dtype)
-            halves = jnp.stack([low.reshape(r // 16, 16, -1), high.reshape(r // 16, 16, -1)], axis=1)
-            out[2 * j * r:(2 * j + 2) * r] = halves.reshape(2 * r, -1)                 # [tk / 4, tn]
+            bits = pair_bits(jax.lax.shift_right_logical(words, 4 * j), e_pair[j * q // 2:(j + 1) * q // 2])
+            out[j * q:(j + 1) * q] = pltpu.bitcast(bits, jnp.bfloat16).astype(out.dtype)   # [tk / 4, tn]
         return
     if unpack == "bitcast":
         scale = jax.lax.bitcast_convert_type(_rows(s, MX_GROUP) << 23, jnp.float32).astype(jnp.bfloat16)

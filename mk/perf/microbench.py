@@ -220,10 +220,9 @@ def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray, unpack: str
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     c, s = np.asarray(codes_words).view(np.uint32), np.asarray(scale_words).view(np.uint32)
     part = [(c >> np.uint32(4 * j)) & 15 for j in range(8)]                                # [DEQ_K / 8, DEQ_N] each
-    if unpack == "pairs":      # part j + 4h of word w: row 2j DEQ_K / 8 + 32 (w // 16) + 16h + w % 16, re-encoded
-        n = c.shape[1]
-        codes = pairs_nibble(np.concatenate([np.stack([part[j].reshape(-1, 16, n), part[j + 4].reshape(-1, 16, n)], axis=1)
-                                             .reshape(-1, n) for j in range(4)], axis=0))
+    if unpack == "pairs":      # part j + 4h of word w: row j DEQ_K / 4 + 2w + h, re-encoded
+        codes = pairs_nibble(np.concatenate([np.stack(part[j::4], axis=1).reshape(-1, c.shape[1])
+                                             for j in range(4)], axis=0))
     else:
         codes = np.concatenate(part, axis=0)                                                 # [DEQ_K, DEQ_N]
     groups = np.concatenate([(s >> np.uint32(8 * j)) & 255 for j in range(4)], axis=0)      # [DEQ_K / 32, DEQ_N]
