@@ -83,7 +83,7 @@ def test_writing_one_chip_keeps_every_other_chips_rows(tmp_path):
     for q, v in v5e.items():
         m = t.measurement("tpu-v5e", q)
         assert m.value == pytest.approx(v) and m.source == "measured: mk microbench on TPU v5 lite, 2027-01-01"
-    assert t.measurement("tpu-v5e", "vector_bw").note.startswith("was: 8e12 (assumption")   # replaced, not added
+    assert t.measurement("tpu-v5e", "vector_bw").note.startswith("was: ")   # replaced (the note keeps the old row), not added
     kept = [r for r in old if r.startswith(("tpu-v5e,step_fixed_overhead,", "tpu-v5e,routing_per_layer,"))]
     assert len(kept) == 2 and set(kept) <= set(new)                     # the chip's unmeasured rows as they were
     b = mb.write_microbench_csv({"mxu_push_rows": 60}, tmp_path / "b.csv", "measured: again", "tpu-v5e", base=a)
@@ -105,22 +105,33 @@ def test_device_kinds_map_to_chips_of_the_hardware_table():
 
 
 def test_the_seeded_v5e_rows_are_what_the_write_path_writes(tmp_path):
-    """data/microbench.csv's measured tpu-v5e rows (tpu-notes.md's run) are byte for byte what
-    `write_microbench_csv` writes for those values and that source: the format a re-run produces."""
+    """data/microbench.csv's measured tpu-v5e rows are what `write_microbench_csv` writes for those
+    values and sources (tpu-notes.md's 2026-12-04 run for the DMA rows; the second 2026-12-05 run,
+    docs/tpu-v5e/2026-12-05/microbench-pairs.json, for the rest, its DMA rows refused): the format a
+    re-run produces, every other chip's rows untouched."""
+    import json
     table = hw.load_microbench()
     rows = [m for (chip, _), m in table.rows.items() if chip == "tpu-v5e" and m.source.startswith("measured")]
     assert {m.quantity for m in rows} == {"dma_stream_bw", "dma_descriptor_latency", "mxu_push_rows", "vector_flops",
-                                         "mxu_bf16xfp8_vs_bf16"}
-    assert len({m.source for m in rows}) == 1 and "TPU v5 lite, 2026-12-04" in rows[0].source
+                                         "vector_bw", "mxu_bf16xfp8_vs_bf16", "dequant_op_rate"}
+    by_source = {}
+    for m in rows:
+        by_source.setdefault(m.source, {})[m.quantity] = m.value
+    assert sorted(len(v) for v in by_source.values()) == [2, 5]
+    assert {"dma_stream_bw", "dma_descriptor_latency"} == set(next(v for s, v in by_source.items() if "2026-12-04" in s))
     base = _data_rows(hw.DATA_DIR / "microbench.csv")
     stripped = tmp_path / "base.csv"
     stripped.write_text("\n".join(r for r in open(hw.DATA_DIR / "microbench.csv").read().splitlines()
                                   if not any(r.startswith(f"tpu-v5e,{m.quantity},") for m in rows)) + "\n")
-    out = mb.write_microbench_csv({m.quantity: m.value for m in rows}, tmp_path / "o.csv", rows[0].source,
-                                  "tpu-v5e", base=stripped)
-    cut = lambda r: next(csv.reader([r]))[:7] if r.startswith("tpu-v5e,mxu_push_rows,") else r   # its note says more
-    assert [cut(r) for r in _data_rows(out)] == [cut(r) for r in base]
-    assert table.get("tpu-v5e", "mxu_push_rows") == pytest.approx(280 * 197e12 / 1.155e15, abs=0.05)
+    out = stripped
+    for i, (source, values) in enumerate(by_source.items()):
+        out = mb.write_microbench_csv(values, tmp_path / f"o{i}.csv", source, "tpu-v5e", base=out)
+    cut = lambda r: tuple(next(csv.reader([r]))[i] for i in (0, 1, 2, 3, 6))   # a replaced row keeps its range and says so
+    assert sorted(map(cut, _data_rows(out))) == sorted(map(cut, base))
+    assert [r for r in _data_rows(out) if not r.startswith("tpu-v5e,")] == [r for r in base if not r.startswith("tpu-v5e,")]
+    run = json.loads((hw.DATA_DIR.parent / "docs/tpu-v5e/2026-12-05/microbench-pairs.json").read_text())
+    assert table.get("tpu-v5e", "mxu_push_rows") == pytest.approx(run["constants"]["mxu_push_rows"], rel=1e-5)
+    assert table.get("tpu-v5e", "dequant_op_rate") == pytest.approx(run["constants"]["dequant_op_rate"], rel=1e-5)
 
 
 def test_timing_off_a_tpu_is_refused(capsys):
