@@ -16,7 +16,7 @@ experts (`publish_routing`).
 Tiles land in the slot pool of their matrix's storage format (`Matrix.format`): bf16 tiles in
 `slots`; MXFP4 expert tiles (`plan.experts == "mxfp4"`) in their own `code_slots` / `scale_slots`
 with their own semaphores, and are dequantized into the bf16 `dequant` buffer right before their
-matmul (`dequantize_tile`, by the plan's `mxfp4_unpack`: integer shifts on every TPU, the fp4
+matmul (`dequantize_tile`, by the plan's `mxfp4_unpack`: integer ops on every TPU, the fp4
 bitcast on TPU v7). One cursor, one stream order, one prefetch depth for both pools; a
 pool's slot is its own issue count mod `num_slots`.
 """
@@ -46,38 +46,6 @@ def group_scales(scales) -> jax.Array:
     """scales as `group_exponents` -> the groups' 2^(s - 127) [tile_k / 32, tile_n] f32, built as
     exponent bits: exact (s in 2..252, `mk.kernel.packing.KERNEL_SCALE_RANGE`)."""
     return jax.lax.bitcast_convert_type(group_exponents(scales) << 23, jnp.float32)
-
-
-def e2m1_bits(nibbles, exponent) -> jax.Array:
-    """nibbles [r, n] int32 whose low 4 bits are E2M1 codes (higher bits ignored), exponent [r, n]
-    int32: (s - 1) << 23 for a scale 2^(s - 127) -> the f32 bit patterns of value(code) * 2^(s - 127).
-
-    E2M1 is sign | e (2 bits) | m: 0, 0.5 (e = 0) and 2^(e - 1) (1 + m / 2). Shifted left by 22,
-    e and m land on the low exponent bits and the top mantissa bit of an f32: adding (s - 1) << 23
-    gives the exponent e + s - 1 of value * 2^(s - 127) for e >= 1; the subnormal 0.5 is 2^(s - 128),
-    exponent s - 1 with no mantissa: `exponent` itself. Integer ops only, no rounding: exact for
-    s in 2..252, where every product is a normal f32 (and bf16) number."""
-    em = (nibbles & 7) << 22                                     # e, m at f32 bits 23-24, 22
-    mag = jnp.where(em >= 2 << 22, em + exponent, jnp.where(em == 1 << 22, exponent, 0))
-    return mag | ((nibbles & 8) << 28)                           # the sign bit
-
-
-def unpack_codes(codes, exponent, unpack: str) -> jax.Array:
-    """codes [tile_k / 8, tile_n] int32 ref (layout: `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`) ->
-    [tile_k, tile_n] value(code) * 2^(s - 127) (f32; bf16 for 'bitcast') for exponent rows
-    [tile_k, tile_n] int32 ((s - 1) << 23, see `e2m1_bits`).
-
-    'shift' (every TPU): plane j of the words (a logical shift by 4j) is rows j tk/8 .. (j + 1)
-    tk/8 - 1, concatenated along the sublanes; then `e2m1_bits`: about 10 integer ops per weight.
-    'bitcast' (TPU v7): `pltpu.bitcast` to E2M1 (row 8w + j = bits 4j .. of word w), one conversion
-    to bf16 and a multiply by the power of two (exact)."""
-    if unpack == "bitcast":
-        scale = jax.lax.bitcast_convert_type(exponent + (1 << 23), jnp.float32).astype(jnp.bfloat16)
-        return pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.bfloat16) * scale
-    words = codes[...]                                                                 # [tk / 8, tn]
-    nibbles = jnp.concatenate([jax.lax.shift_right_logical(words, 4 * j) for j in range(CODES_PER_WORD)],
-                              axis=0)                                                  # [tk, tn]
-    return jax.lax.bitcast_convert_type(e2m1_bits(nibbles, exponent), jnp.float32)
 
 
 def dequantize_tile(codes, scales, out, m: Matrix, unpack: str = "shift"):
