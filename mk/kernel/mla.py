@@ -1,9 +1,10 @@
 """Multi-head latent attention in the kernel (spec 1.4.4), for the layer whose MLA index is `i`.
 
 Projections stream through the ring (fused q_a|kv_a|g, then q_b, then kv_b). Attention walks the
-row's cache in 128-position blocks, DMA'd HBM -> VMEM, with an online softmax. The block that
-holds the row's position gets the new key/value merged in (by position mask) before it is used,
-and is the only block written back: only touched slices move.
+row's cache in 128-position blocks, DMA'd HBM -> VMEM into two buffers, with an online softmax:
+block j + 1 is in flight while block j is attended. The block that holds the row's position gets
+the new key/value merged in (by position mask) before it is used, and is the only block written
+back: only touched slices move.
 
 The row model: row b reads and writes the cache of its sequence `row_seq[b]` at its position
 `row_pos[b]` (SMEM). Rows run in order, so the rows of a verify block (consecutive positions of
@@ -23,12 +24,23 @@ from mk.model.layers.common import bf, f32, rms, sigmoid
 from mk.model.layers.mla import BLOCK, attend_block, softmax_start
 
 
-def _block_copies(r, b, i, j):
-    """Descriptors for cache block j of row b's sequence, layer i: (K, V) HBM <-> VMEM."""
+def _block_copies(r, b, i, j, buf):
+    """Descriptors for cache block j of row b's sequence, layer i, in VMEM buffer `buf` (0 | 1):
+    (K, V) HBM <-> k_block[buf] [H, 128, Kc], v_block[buf] [H, 128, D]."""
     rows = pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK)
     seq = r.row_seq[b]
-    return ((r.mla_k_hbm.at[seq, i, :, rows], r.k_block, r.cache_sems.at[0]),
-            (r.mla_v_hbm.at[seq, i, :, rows], r.v_block, r.cache_sems.at[1]))
+    return ((r.mla_k_hbm.at[seq, i, :, rows], r.k_block.at[buf], r.cache_sems.at[buf, 0]),
+            (r.mla_v_hbm.at[seq, i, :, rows], r.v_block.at[buf], r.cache_sems.at[buf, 1]))
+
+
+def _copy_block(r, b, i, j, buf, *, wait: bool, to_hbm: bool = False):
+    """Start (wait=False) or wait for (wait=True) the K and V copies of `_block_copies`."""
+    for src, dst, sem in _block_copies(r, b, i, j, buf):
+        copy = pltpu.make_async_copy(dst, src, sem) if to_hbm else pltpu.make_async_copy(src, dst, sem)
+        if wait:
+            copy.wait()
+        else:
+            copy.start()
 
 
 def _attend_row(k, b, i):
@@ -43,15 +55,19 @@ def _attend_row(k, b, i):
     r.softmax[1] = jnp.broadcast_to(l, (H, 1, 128))
     r.softmax_acc[...] = jnp.broadcast_to(acc, (H, 1, D))
     slot_iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
+    _copy_block(r, b, i, 0, 0, wait=False)
 
     def block(j, carry):
-        copies = [pltpu.make_async_copy(*c) for c in _block_copies(r, b, i, j)]
-        for c in copies:
-            c.start()
-        for c in copies:
-            c.wait()
-        here = slot_iota == pos - j * BLOCK                                  # [128, 1]
+        buf = j % 2
+        _copy_block(r, b, i, j, buf, wait=True)
         last = j == n_blocks - 1
+
+        @pl.when(~last)
+        def _prefetch_next():                       # block j + 1 lands while block j is attended
+            _copy_block(r, b, i, j + 1, 1 - buf, wait=False)
+
+        k_block, v_block = r.k_block.at[buf], r.v_block.at[buf]                 # [H, 128, Kc], [H, 128, D]
+        here = slot_iota == pos - j * BLOCK                                  # [128, 1]
 
         @pl.when(last)
         def _merge_new_token():
@@ -59,8 +75,8 @@ def _attend_row(k, b, i):
                 k_new = jnp.concatenate([r.mla_kv[pl.ds(b, 1), pl.ds(pl.multiple_of(h * 2 * D, D), D)],
                                          r.mla_kr[pl.ds(b, 1), :]], axis=-1)   # [1, Kc]
                 v_new = r.mla_kv[pl.ds(b, 1), pl.ds(pl.multiple_of(h * 2 * D + D, D), D)]
-                r.k_block[h] = jnp.where(here, k_new, r.k_block[h])
-                r.v_block[h] = jnp.where(here, v_new, r.v_block[h])
+                k_block[h] = jnp.where(here, k_new, k_block[h])
+                v_block[h] = jnp.where(here, v_new, v_block[h])
                 return c
             jax.lax.fori_loop(0, H, merge, 0)
 
@@ -69,18 +85,15 @@ def _attend_row(k, b, i):
         def head(h, c):
             q = f32(r.mla_q[pl.ds(b, 1), pl.ds(pl.multiple_of(h * Kc, Kc), Kc)])      # [1, Kc]
             r.softmax[0, h], r.softmax[1, h], r.softmax_acc[h] = attend_block(
-                q, r.k_block[h], r.v_block[h], valid, r.softmax[0, h], r.softmax[1, h], r.softmax_acc[h],
+                q, k_block[h], v_block[h], valid, r.softmax[0, h], r.softmax[1, h], r.softmax_acc[h],
                 cfg.mla_scale)
             return c
         jax.lax.fori_loop(0, H, head, 0)
 
         @pl.when(last)
         def _write_back():
-            copies = [pltpu.make_async_copy(dst, src, sem) for src, dst, sem in _block_copies(r, b, i, j)]
-            for c in copies:
-                c.start()
-            for c in copies:
-                c.wait()
+            _copy_block(r, b, i, j, buf, wait=False, to_hbm=True)
+            _copy_block(r, b, i, j, buf, wait=True, to_hbm=True)
         return carry
 
     jax.lax.fori_loop(0, n_blocks, block, 0)

@@ -700,9 +700,9 @@ class Plan:
             VM("mla_kv", (R, H * 2 * D), BF16),                              # per head [k_nope | v]
             VM("mla_kr", (R, c.k_cache_dim - D), BF16),                      # shared raw key part, padded
             VM("mla_gate", (R, HD), BF16),
-            VM("k_block", (H, 128, c.k_cache_dim), BF16),                    # one 128-position block
-            VM("v_block", (H, 128, D), BF16),
-            DMA("cache_sems", (2,)),
+            VM("k_block", (2, H, 128, c.k_cache_dim), BF16),                 # two 128-position blocks:
+            VM("v_block", (2, H, 128, D), BF16),                             # one attended, one landing
+            DMA("cache_sems", (2, 2)),                                       # [buffer, K | V]
             VM("softmax", (3, H, 1, 128), F32),                              # running max, denom (lane-bcast)
             VM("softmax_acc", (H, 1, D), F32),
             # MoE
