@@ -547,3 +547,20 @@ def test_v5e_model_of_the_routed_step_is_within_10_percent_of_its_device_time():
         plan = make_plan(K3_CHIP, batch, chip="v5e", experts="bf16")
         modelled = sim.simulate(plan, "tpu-v5e", distinct_experts=routed[batch]).step_time / MS
         assert 0.9 <= modelled / device[batch] <= 1.1, (batch, modelled, device[batch])
+
+
+def test_simulate_routed_from_a_bench_file(capsys):
+    """`mk simulate --routed-from BENCH_JSON`: mk's plan reads the experts the benched steps routed
+    and is set beside that bench's kernel step; a file of another expert format is refused."""
+    from mk.__main__ import main
+    bench = str(REPO / "docs" / "tpu-v5e" / "2026-12-05" / "bench-k3chip-bf16.json")
+    assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1,8", "--experts", "bf16",
+                 "--routed-from", bench, "--json"]) == 0
+    rows = {r["batch"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows[8]["mk_distinct_experts"] == [9.95, 9.8] and "wall clock, bench-k3chip-bf16.json" in rows[8]["mk_measured"]
+    assert rows[8]["mk_measured_step_s"] == pytest.approx(7.8867e-3, rel=1e-3)
+    uniform = sim.predict(K3_CHIP, 8, "tpu-v5e", experts="bf16")["mk"]["step_time_s"]
+    assert rows[8]["mk"]["step_time_s"] < 0.9 * uniform             # fewer distinct experts than uniform routing
+    assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1", "--experts", "mxfp4",
+                 "--routed-from", bench]) == 2
+    assert "benched bf16 experts, not --experts mxfp4" in capsys.readouterr().err

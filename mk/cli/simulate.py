@@ -49,8 +49,44 @@ def add_parser(subparsers):
     p.add_argument("--microbench", metavar="CSV", default=None,
                    help="model with this copy of data/microbench.csv (e.g. one `mk microbench --write` made on "
                         "a TPU, with the assumed constants measured)")
+    p.add_argument("--routed-from", metavar="BENCH_JSON", default=None,
+                   help="a `mk bench --json` output: mk's plan reads the experts its steps routed (not uniform "
+                        "routing), and is compared with its kernel's step (device time where it has it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
+
+
+def _measured_source(rows: list[dict]) -> str:
+    """Where the rows' measured steps come from: a bench file (--routed-from) or data/published.csv."""
+    return "; ".join(dict.fromkeys(r.get("mk_measured", "data/published.csv") for r in rows if "mk_measured_step_s" in r))
+
+
+def routed_from(path: str, config: str, experts: str | None, batches: list[int]) -> dict[int, dict]:
+    """batch -> {"distinct_experts", "measured_s", "measured"} from a `mk bench --json` file: the
+    routed counts of its rows (`distinct_source` 'routed ...') and its kernel's step, device time
+    where the bench traced it, else the wall clock. Refuses a file of another config, expert format,
+    or without routed counts for a batch asked for, naming it."""
+    try:
+        bench = json.loads(open(path).read())
+        meta, rows = bench["metadata"], bench["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--routed-from {path}: not a `mk bench --json` output ({type(e).__name__}: {e})") from None
+    if meta.get("config") != config:
+        raise UserError(f"--routed-from {path}: benched {meta.get('config')!r}, not --config {config!r}")
+    if experts and meta.get("experts") != experts:
+        raise UserError(f"--routed-from {path}: benched {meta.get('experts')} experts, not --experts {experts}")
+    out = {}
+    for b in batches:
+        hit = [r for r in rows if r.get("batch") == b and str(r.get("distinct_source", "")).startswith("routed")]
+        if not hit:
+            raise UserError(f"--routed-from {path}: no routed expert counts at batch {b} (bench with --impl kernel,xla)")
+        kernel = next((r for r in rows if r.get("batch") == b and r.get("impl") == "kernel" and not r.get("error")), None)
+        dev = kernel and kernel.get("device_median_ms")
+        out[b] = {"distinct_experts": hit[0]["distinct_experts"],
+                  "measured_s": (dev or kernel["median_ms"]) / 1e3 if kernel else None,
+                  "measured": (f"{'device time' if dev else 'wall clock'}, {os.path.basename(path)} "
+                               f"({meta.get('device_kind')}, {str(meta.get('date', ''))[:10]})") if kernel else None}
+    return out
 
 
 def _batches(text: str) -> list[int]:
@@ -87,7 +123,7 @@ def _check_system(system, plans, mxfp4_matmul, sensitivity=False):
 def collect(config: str, systems: list[str], batches: list[int], context: int | None = None,
             straggler: bool = True, plans: tuple[str, ...] = ("seed", "mk"), trace: str | None = None,
             microbench: str | None = None, experts: str | None = None, mxfp4_matmul: str | None = None,
-            sensitivity: bool = False) -> list[dict]:
+            sensitivity: bool = False, routed: dict[int, dict] | None = None) -> list[dict]:
     from mk.model.config import get_config
     from mk.kernel import conventional
     from mk.perf import hardware, roofline, sim
@@ -107,9 +143,16 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
         system = hardware.get_system(name, microbench_csv=microbench)
         rows = []
         for b in batches:
+            got = (routed or {}).get(b)
             r = sim.predict(cfg, b, system, context=ctx, straggler=straggler, plans=plans, record=bool(trace),
-                            experts=experts, mxfp4_matmul=mxfp4_matmul)
+                            experts=experts, mxfp4_matmul=mxfp4_matmul,
+                            mk_distinct_experts=got["distinct_experts"] if got else None)
             row = {k: v for k, v in r.items() if not k.startswith("_")}
+            if got and "mk" in r["_results"]:
+                row["mk_distinct_experts"] = got["distinct_experts"]
+                if got["measured_s"]:
+                    row["mk_measured_step_s"], row["mk_measured"] = got["measured_s"], got["measured"]
+                    row["mk_modelled_over_measured"] = r["_results"]["mk"].step_time / got["measured_s"]
             if "seed" in r["_results"]:
                 roof = roofline.roofline(cfg, b, ctx, system=system, straggler=straggler,
                                          plan=r["_results"]["seed"].plan)
@@ -204,8 +247,12 @@ def format_table(report: list[dict]) -> str:
         lines += notes
         lines.append(("  ratio = modelled (seed's schedule) / published; mk/seed = seed step / mk step (> 1: mk faster); "
                       if seed else "  ") + "all times modelled (mk.perf.sim)" +
-                     ("; mk measured: mk's kernel timed on the chip (data/published.csv, read after the model)"
+                     (f"; mk measured: mk's kernel timed on the chip ({_measured_source(rep['rows'])}, read after the model)"
                       if measured else ""))
+        routed = [r for r in rep["rows"] if "mk_distinct_experts" in r]
+        if routed:
+            lines.append("  mk's plan reads the experts its measured steps routed (--routed-from): " + ", ".join(
+                f"B={r['batch']}: {'/'.join(f'{x:g}' for x in r['mk_distinct_experts'])}" for r in routed) + " per MoE layer")
         by = {}
         for k, b in rep["basis"].items():
             by.setdefault(b, []).append(k)
@@ -245,8 +292,9 @@ def run(args) -> int:
     systems = [s.strip() for s in args.system.split(",") if s.strip()]
     batches = _batches(args.batch)
     plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
+    routed = routed_from(args.routed_from, args.config, args.experts, batches) if args.routed_from else None
     report = collect(args.config, systems, batches, args.context, not args.mean_experts, plans, args.trace,
-                     args.microbench, args.experts, args.mxfp4_matmul, args.sensitivity)
+                     args.microbench, args.experts, args.mxfp4_matmul, args.sensitivity, routed)
     if args.sensitivity:
         from mk.perf.hardware import get_system
         for rep in report:

@@ -783,17 +783,21 @@ def mk_whatifs(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEF
 
 def model(cfg: K3Config, batch: int, system="tpu-v7x16", plan: str | Plan = "seed", *,
           context: int = DEFAULT_CONTEXT, straggler: bool = True, record: bool = False,
-          machine: Machine | None = None) -> SimResult:
+          machine: Machine | None = None, distinct_experts: Sequence[float] | None = None) -> SimResult:
     """The modelled step of `plan` ('seed': the published schedule, `seed_plan`; 'mk': `mk_plan`;
     or a Plan) on `system`. Reads data/hardware.csv, microbench.csv and systems.csv, never the
-    published figures it is compared with."""
+    published figures it is compared with. distinct_experts: per MoE layer, e.g. what a measured
+    step routed (default: `expert_counts` under uniform routing)."""
     s = _system(system)
     if isinstance(plan, str):
         if plan not in PLANS:
             raise SimError(f"plan must be one of {PLANS} or a mk.kernel.plan.Plan, found {plan!r}")
         plan = seed_plan(cfg, batch, s, context) if plan == "seed" else mk_plan_for(cfg, batch, s, context)[0]
+    if distinct_experts is not None and len(distinct_experts) != cfg.n_moe:
+        raise SimError(f"distinct_experts: {len(distinct_experts)} counts for {cfg.n_moe} MoE layers")
     return simulate(plan, machine or Machine.from_system(s), record=record,
-                    distinct_experts=expert_counts(cfg, batch, plan.layout, straggler))
+                    distinct_experts=(list(distinct_experts) if distinct_experts is not None
+                                      else expert_counts(cfg, batch, plan.layout, straggler)))
 
 
 def bubbles(slow: SimResult, fast: SimResult) -> list[tuple[str, float]]:
@@ -818,12 +822,14 @@ def measured_setting(plan: Plan) -> str:
 
 def predict(cfg: K3Config, batch: int, system: str = "tpu-v7x16", *, context: int = DEFAULT_CONTEXT,
             straggler: bool = True, record: bool = False, plans: Sequence[str] = PLANS,
-            experts: str | None = None, mxfp4_matmul: str | None = None) -> dict:
+            experts: str | None = None, mxfp4_matmul: str | None = None,
+            mk_distinct_experts: Sequence[float] | None = None) -> dict:
     """Modelled step of each plan in `plans` that `system` runs (mk's: a TPU; the seed's:
     `seed_runs_on`), then the published figure and the ratio for the seed's schedule, and mk's
     kernel's step measured on the chip where data/published.csv has it (`measured_setting`). The
     model runs with data/published.csv locked (`hardware.published_locked`). experts, mxfp4_matmul:
-    `mk_plan_for`'s."""
+    `mk_plan_for`'s. mk_distinct_experts: the experts mk's plan reads per MoE layer (`model`'s
+    distinct_experts), e.g. those a step measured by `mk bench` routed."""
     s = _system(system)
     res, info = {}, {}
     plans = [p for p in plans if (p != "mk" or s.program == "megakernel") and (p != "seed" or seed_runs_on(s))]
@@ -833,7 +839,8 @@ def predict(cfg: K3Config, batch: int, system: str = "tpu-v7x16", *, context: in
                 plan, info = mk_plan_for(cfg, batch, s, context, experts=experts, mxfp4_matmul=mxfp4_matmul)
             else:
                 plan = p
-            res[p] = model(cfg, batch, s, plan, context=context, straggler=straggler, record=record)
+            res[p] = model(cfg, batch, s, plan, context=context, straggler=straggler, record=record,
+                           distinct_experts=mk_distinct_experts if p == "mk" else None)
     pub = hwlib.published_value(s.published_system, "plain", batch)
     out = {"system": s.name, "batch": batch, "schedule": "seed", "context": context,
            "published_tok_s": pub, "_results": res}
