@@ -68,7 +68,7 @@ def _run_dequant(codes, scales, m, unpack="bitcast"):
 
     def kernel(c_ref, s_ref, o_ref):
         for t in range(codes.shape[0]):
-            dequantize_tile(c_ref.at[t], s_ref.at[t], o_ref.at[t], m, unpack)
+            dequantize_tile(c_ref.at[t], s_ref.at[t], o_ref.at[t], unpack)
 
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((codes.shape[0], m.tile_k, m.tile_n), jnp.bfloat16),

@@ -69,6 +69,11 @@ FP8_MXU = ("v6e", "tpu7x", "cpu")
 # with shifts, masks and selects (every generation; the first v5e kernel's). Chips not named: 'pairs'.
 MXFP4_UNPACK = {"tpu7x": "bitcast", "cpu": "bitcast"}
 DEFAULT_UNPACK = "pairs"
+
+
+def chip_unpack(chip: str) -> str:
+    """The MXFP4 unpack the kernel uses on `chip` (a plan chip name) by default."""
+    return MXFP4_UNPACK.get(chip, DEFAULT_UNPACK)
 # jax `device_kind` -> mk.kernel.plan chip name
 CHIP_OF_DEVICE_KIND = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
                        "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x", "TPU v7": "tpu7x", "cpu": "cpu"}
@@ -572,7 +577,7 @@ class Plan:
         """How the kernel unpacks MXFP4 code words on this plan's chip: 'pairs', 'shift' or 'bitcast'
         (`ScheduleOptions.mxfp4_unpack`; 'auto' takes the chip's, `MXFP4_UNPACK`)."""
         u = self.options.mxfp4_unpack
-        return MXFP4_UNPACK.get(self.chip, DEFAULT_UNPACK) if u == "auto" else u
+        return chip_unpack(self.chip) if u == "auto" else u
 
     @property
     def expert_bytes(self) -> int:

@@ -48,7 +48,7 @@ def group_scales(scales) -> jax.Array:
     return jax.lax.bitcast_convert_type(group_exponents(scales) << 23, jnp.float32)
 
 
-def dequantize_tile(codes, scales, out, m: Matrix, unpack: str = "shift"):
+def dequantize_tile(codes, scales, out, unpack: str = "shift"):
     """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
     layout: `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`) -> out [tile_k, tile_n] bf16 ref,
     exactly value(code) * 2^(s - 127), by the plan's `mxfp4_unpack` (`unpack_codes`). Whole-tile
@@ -69,7 +69,7 @@ def pair_bits(x, e_pair) -> jax.Array:
 
     The re-encoding makes a magnitude's bf16 bits linear in k: 0.5, 1, 1.5, 2, 3, 4, 6 are k = 0, 2,
     3, .. 7, bits (s - 1) << 7 + 64 k; zero is k = 1 and masked to 0. Every op acts on both 16-bit
-    halves at once (no carry crosses bit 16): 10 integer ops for two weights."""
+    halves at once (no carry crosses bit 16): 13 integer ops for two weights."""
     k6 = (x << 6) & 0x01C001C0                                  # k << 6 in each half (bits 6-8, 22-24)
     nonzero = ((k6 ^ 0x00400040) + 0x01C001C0) & 0x02000200     # bit 9 / 25: k != 1
     keep = (nonzero << 7) - jax.lax.shift_right_logical(nonzero, 9)   # 0xFFFF in each half where k != 1
@@ -103,7 +103,7 @@ def unpack_codes(codes, s, unpack: str, out) -> None:
     10 integer ops per weight), then converted to bf16.
     'bitcast' (TPU v7): `pltpu.bitcast` to E2M1 (row 8w + j = bits 4j .. of word w), one conversion
     to bf16 and a multiply by the power of two (exact)."""
-    tk, tn = out.shape
+    tk = out.shape[0]
     words = codes[...]                                                                 # [tk / 8, tn]
     if unpack == "pairs":
         e_pair = (s - 1) << 7
@@ -279,7 +279,7 @@ class WeightRing:
         """The bf16 [tile_k, tile_n] ref of the tile in `slot` of m's pool (mxfp4: dequantized now)."""
         if m.format == "mxfp4":
             r = self.r
-            dequantize_tile(r.code_slots.at[slot], r.scale_slots.at[slot], r.dequant, m, self.plan.mxfp4_unpack)
+            dequantize_tile(r.code_slots.at[slot], r.scale_slots.at[slot], r.dequant, self.plan.mxfp4_unpack)
             return r.dequant
         return self.r.slots.at[slot]
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from mk.model.config import K3Config, get_config
 from mk.errors import UserError
-from mk.perf.trace import SUMMARY_LINES, device_events, host_annotation_count  # noqa: F401  (the notebooks read traces with these)
+from mk.perf.trace import SUMMARY_LINES, device_events, host_annotation_count, profile_data  # noqa: F401  (the notebooks read traces with these)
 
 DEFAULT_CONFIG = {"cpu": "mini", "tpu": "k3-chip"}
 PLAN_CONFIG = {"cpu": "k3-slice", "tpu": "k3-chip"}

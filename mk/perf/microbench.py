@@ -32,7 +32,6 @@ launch, the first DMA and the final write-back cancel.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import datetime
 import io
 import time
@@ -177,12 +176,12 @@ def vector_call(kind: str, reps: int, interpret=False):
         interpret=interpret, name=f"mk_microbench_vector_{kind}")
 
 
-def _dequant_kernel(codes_ref, scales_ref, o_ref, *, reps: int, tile, unpack: str):
+def _dequant_kernel(codes_ref, scales_ref, o_ref, *, reps: int, unpack: str):
     # codes_ref: [DEQ_K / 8, DEQ_N] int32   scales_ref: [DEQ_K / 128, DEQ_N] int32   o_ref: [DEQ_K, DEQ_N] bf16 (VMEM)
     from mk.kernel.ring import dequantize_tile
 
     def body(i, carry):
-        dequantize_tile(codes_ref, scales_ref, o_ref, tile, unpack)
+        dequantize_tile(codes_ref, scales_ref, o_ref, unpack)
         return carry
 
     with jax.named_scope("dequant_tiles"):
@@ -192,10 +191,9 @@ def _dequant_kernel(codes_ref, scales_ref, o_ref, *, reps: int, tile, unpack: st
 def dequant_call(reps: int, interpret=False, unpack: str = "shift"):
     """`f(codes [DEQ_K / 8, DEQ_N] int32, scales [DEQ_K / 128, DEQ_N] int32) -> [DEQ_K, DEQ_N] bf16`: the
     kernel's dequantization of one tile by `unpack` (layout `mk.kernel.packing.pack_mxfp4_tiles`), reps times."""
-    tile = dataclasses.make_dataclass("Tile", ["tile_k", "tile_n"])(DEQ_K, DEQ_N)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     return pl.pallas_call(
-        partial(_dequant_kernel, reps=reps, tile=tile, unpack=unpack),
+        partial(_dequant_kernel, reps=reps, unpack=unpack),
         out_shape=jax.ShapeDtypeStruct((DEQ_K, DEQ_N), jnp.bfloat16),
         in_specs=[vmem, vmem], out_specs=vmem,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT),
@@ -391,7 +389,7 @@ def measure(trials: int = 5, progress=None) -> dict:
     t_pass = per_repeat(lambda r: vector_call("pass", r), (a[:8],), *TIMED_REPS["vector"], trials)
     out["vector"] = {"s_per_fma_pass": t_fma, "s_per_vmem_pass": t_pass}
     from mk.kernel.schedule import dequant_ops
-    from mk.kernel.plan import CHIP_OF_DEVICE_KIND, DEFAULT_UNPACK, MXFP4_UNPACK
+    from mk.kernel.plan import CHIP_OF_DEVICE_KIND, chip_unpack
     out["dequant"] = {}
     for unpack in DEQUANT_UNPACKS:
         step(f"dequant {unpack}")
@@ -399,7 +397,7 @@ def measure(trials: int = 5, progress=None) -> dict:
                            *TIMED_REPS["dequant"], trials)
         out["dequant"][unpack] = {"s_per_tile": t_deq, "weights_per_s": DEQ_K * DEQ_N / t_deq,
                                   "ops_per_weight": dequant_ops("bf16", unpack)}
-    own = MXFP4_UNPACK.get(CHIP_OF_DEVICE_KIND.get(dev.device_kind), DEFAULT_UNPACK)
+    own = chip_unpack(CHIP_OF_DEVICE_KIND[dev.device_kind])       # a kind `chip_of_device_kind` took
     own = own if own in out["dequant"] else DEQUANT_UNPACKS[0]
     out["dequant_unpack"] = own
     out["constants"] = {

@@ -89,12 +89,18 @@ def write_trace(results, path: str | os.PathLike) -> str:
 SUMMARY_LINES = ("XLA Modules", "Steps", "XLA TraceMe", "Framework Ops", "Framework Name Scope")
 
 
+def profile_data(xplane):
+    """`xplane`: a path to *.xplane.pb, or a `jax.profiler.ProfileData` (returned as it is) -> the
+    ProfileData. Read a large trace once and hand it to each reader below."""
+    from jax.profiler import ProfileData
+    return xplane if isinstance(xplane, ProfileData) else ProfileData.from_file(os.fspath(xplane))
+
+
 def device_events(xplane):
     """Every event on a device plane ('/device:...') of an XSpace, as a DataFrame: plane, line,
-    name, start_ns, dur_ns. `xplane`: a path to *.xplane.pb or a `jax.profiler.ProfileData`."""
+    name, start_ns, dur_ns. `xplane`: as `profile_data` takes it."""
     import pandas as pd
-    from jax.profiler import ProfileData
-    data = xplane if isinstance(xplane, ProfileData) else ProfileData.from_file(os.fspath(xplane))
+    data = profile_data(xplane)
     rows = [(plane.name, line.name, e.name, e.start_ns, e.duration_ns)
             for plane in data.planes if plane.name.startswith("/device:")
             for line in plane.lines for e in line.events]
@@ -105,8 +111,7 @@ def host_annotation_count(xplane, name: str) -> int:
     """How many host-side annotations (`jax.profiler.TraceAnnotation`, `StepTraceAnnotation`) named
     `name` an XSpace holds (TraceMe metadata after '#' ignored). The xplane keeps every event, where
     the trace viewer's trace.json stops at a million (a region-traced kernel fills that)."""
-    from jax.profiler import ProfileData
-    data = xplane if isinstance(xplane, ProfileData) else ProfileData.from_file(os.fspath(xplane))
+    data = profile_data(xplane)
     return sum(e.name.split("#")[0] == name for plane in data.planes if not plane.name.startswith("/device:")
                for line in plane.lines for e in line.events)
 
