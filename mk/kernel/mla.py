@@ -45,9 +45,10 @@ def _copy_block(r, b, i, j, buf, *, wait: bool, to_hbm: bool = False):
 
 def _attend_row(k, b, i):
     """Online-softmax attention of row b over its sequence's positions 0..row_pos[b]; writes
-    the row's key/value at row_pos[b] and attn_out row b."""
+    the row's key/value at row_pos[b] and attn_out row b. Heads go G at a time
+    (`Plan.attention_heads`): one step of each head loop handles heads h0..h0 + G - 1."""
     cfg, r = k.cfg, k.refs
-    H, D, Kc = k.plan.heads, cfg.head_dim, cfg.k_cache_dim
+    H, D, Kc, G = k.plan.heads, cfg.head_dim, cfg.k_cache_dim, k.plan.attention_heads
     pos = r.row_pos[b]
     n_blocks = pos // BLOCK + 1
     m, l, acc = softmax_start(D)
@@ -55,6 +56,24 @@ def _attend_row(k, b, i):
     r.softmax[1] = jnp.broadcast_to(l, (H, 1, 128))
     r.softmax_acc[...] = jnp.broadcast_to(acc, (H, 1, D))
     slot_iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
+
+    def per_head(load):
+        """[G, 1, X]: load(h) [1, X] for heads h0..h0 + G - 1, stacked on a leading axis."""
+        return lambda h0: jnp.stack([load(h0 + g) for g in range(G)])
+
+    q_heads = per_head(lambda h: r.mla_q[pl.ds(b, 1), pl.ds(pl.multiple_of(h * Kc, Kc), Kc)])        # [G, 1, Kc]
+    k_new = per_head(lambda h: jnp.concatenate(
+        [r.mla_kv[pl.ds(b, 1), pl.ds(pl.multiple_of(h * 2 * D, D), D)], r.mla_kr[pl.ds(b, 1), :]], axis=-1))
+    v_new = per_head(lambda h: r.mla_kv[pl.ds(b, 1), pl.ds(pl.multiple_of(h * 2 * D + D, D), D)])   # [G, 1, D]
+
+    def head_loop(body):
+        """body(h0, heads) for h0 = 0, G, 2G, ...; heads: the pl.ds of those G heads."""
+        def step(g, c):
+            h0 = pl.multiple_of(g * G, G)
+            body(h0, pl.ds(h0, G))
+            return c
+        jax.lax.fori_loop(0, H // G, step, 0)
+
     _copy_block(r, b, i, 0, 0, wait=False)
 
     def block(j, carry):
@@ -71,24 +90,18 @@ def _attend_row(k, b, i):
 
         @pl.when(last)
         def _merge_new_token():
-            def merge(h, c):
-                k_new = jnp.concatenate([r.mla_kv[pl.ds(b, 1), pl.ds(pl.multiple_of(h * 2 * D, D), D)],
-                                         r.mla_kr[pl.ds(b, 1), :]], axis=-1)   # [1, Kc]
-                v_new = r.mla_kv[pl.ds(b, 1), pl.ds(pl.multiple_of(h * 2 * D + D, D), D)]
-                k_block[h] = jnp.where(here, k_new, k_block[h])
-                v_block[h] = jnp.where(here, v_new, v_block[h])
-                return c
-            jax.lax.fori_loop(0, H, merge, 0)
+            def merge(h0, heads):
+                k_block[heads] = jnp.where(here, k_new(h0), k_block[heads])     # [G, 128, Kc]
+                v_block[heads] = jnp.where(here, v_new(h0), v_block[heads])     # [G, 128, D]
+            head_loop(merge)
 
         valid = j * BLOCK + slot_iota <= pos                                  # [128, 1]
 
-        def head(h, c):
-            q = f32(r.mla_q[pl.ds(b, 1), pl.ds(pl.multiple_of(h * Kc, Kc), Kc)])      # [1, Kc]
-            r.softmax[0, h], r.softmax[1, h], r.softmax_acc[h] = attend_block(
-                q, k_block[h], v_block[h], valid, r.softmax[0, h], r.softmax[1, h], r.softmax_acc[h],
-                cfg.mla_scale)
-            return c
-        jax.lax.fori_loop(0, H, head, 0)
+        def attend(h0, heads):
+            r.softmax[0, heads], r.softmax[1, heads], r.softmax_acc[heads] = attend_block(
+                f32(q_heads(h0)), k_block[heads], v_block[heads], valid, r.softmax[0, heads],
+                r.softmax[1, heads], r.softmax_acc[heads], cfg.mla_scale)
+        head_loop(attend)
 
         @pl.when(last)
         def _write_back():
@@ -98,13 +111,13 @@ def _attend_row(k, b, i):
 
     jax.lax.fori_loop(0, n_blocks, block, 0)
 
-    def output(h, c):
-        off = pl.multiple_of(h * D, D)
-        o = r.softmax_acc[h] / r.softmax[1, h][:, :1]                          # [1, D]
-        gate = bf(sigmoid(r.mla_gate[pl.ds(b, 1), pl.ds(off, D)]))
-        r.attn_out[pl.ds(b, 1), pl.ds(off, D)] = bf(f32(bf(o)) * f32(gate))
-        return c
-    jax.lax.fori_loop(0, H, output, 0)
+    def output(h0, heads):
+        o = r.softmax_acc[heads] / r.softmax[1, heads][..., :1]                 # [G, 1, D]
+        for g in range(G):
+            off = pl.multiple_of((h0 + g) * D, D)
+            gate = bf(sigmoid(r.mla_gate[pl.ds(b, 1), pl.ds(off, D)]))
+            r.attn_out[pl.ds(b, 1), pl.ds(off, D)] = bf(f32(bf(o[g])) * f32(gate))
+    head_loop(output)
 
 
 def mla(k, a, i):

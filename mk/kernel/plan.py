@@ -69,6 +69,8 @@ FP8_MXU = ("v6e", "tpu7x", "cpu")
 # with shifts, masks and selects (every generation; the first v5e kernel's). Chips not named: 'pairs'.
 MXFP4_UNPACK = {"tpu7x": "bitcast", "cpu": "bitcast"}
 DEFAULT_UNPACK = "pairs"
+# Heads of one row the kernel's MLA loops take per step by default (`ScheduleOptions.attention_heads`).
+ATTENTION_HEADS = 8
 
 
 def chip_unpack(chip: str) -> str:
@@ -310,6 +312,10 @@ class ScheduleOptions:
                    'shift': integer shifts and masks into f32 bit patterns (every TPU); 'bitcast':
                    `pltpu.bitcast` to E2M1 and one conversion (TPU v7). The packed code layout
                    follows (`pack_mxfp4_tiles`)
+    attention_heads  heads of one row that one step of the kernel's MLA loops attends together
+                   (`mk.kernel.mla`): 1 walks the heads one at a time; G > 1 batches G heads' score
+                   products and softmax updates (must divide the heads on a device); 0: the
+                   largest divisor of the device's heads up to `ATTENTION_HEADS`
     """
     name: str = "custom"
     program: str = "megakernel"
@@ -325,6 +331,7 @@ class ScheduleOptions:
     recipe: str = "base"
     mxfp4_matmul: str = "bf16"
     mxfp4_unpack: str = "auto"
+    attention_heads: int = 0
 
     CHOICES = {"program": ("megakernel", "per_op"), "dma": ("tile", "matrix"), "prefetch": ("ring", "lookahead"),
                "expert_issue": ("routing", "selection"), "collectives": ("merged", "seed"),
@@ -338,6 +345,9 @@ class ScheduleOptions:
         for f in ("expert_gate_up", "expert_down"):
             if getattr(self, f) not in (None,) + STREAM_FORMATS:
                 raise PlanError(f"ScheduleOptions.{f} must be None or one of {STREAM_FORMATS}, found {getattr(self, f)!r}")
+        if not isinstance(self.attention_heads, int) or self.attention_heads < 0:
+            raise PlanError(f"ScheduleOptions.attention_heads must be an integer >= 0 (0: auto), "
+                            f"found {self.attention_heads!r}")
         if not isinstance(self.expert_slots, int) or self.expert_slots < 0:
             raise PlanError(f"ScheduleOptions.expert_slots must be an integer >= 0, found {self.expert_slots!r}")
         if self.prefetch == "lookahead" and self.dma != "matrix":
@@ -346,7 +356,7 @@ class ScheduleOptions:
             raise PlanError("ScheduleOptions: whole-expert slots move whole matrices (dma='matrix')")
 
     # Options the kernel executes either way (every other field must be MK's).
-    KERNEL_FREE = ("message_rows", "all_reduce", "mxfp4_matmul", "mxfp4_unpack")
+    KERNEL_FREE = ("message_rows", "all_reduce", "mxfp4_matmul", "mxfp4_unpack", "attention_heads")
 
     @property
     def kernel(self) -> bool:
@@ -578,6 +588,13 @@ class Plan:
         (`ScheduleOptions.mxfp4_unpack`; 'auto' takes the chip's, `MXFP4_UNPACK`)."""
         u = self.options.mxfp4_unpack
         return chip_unpack(self.chip) if u == "auto" else u
+
+    @property
+    def attention_heads(self) -> int:
+        """Heads the kernel's MLA loops attend per step (`ScheduleOptions.attention_heads`; 0 takes
+        the largest divisor of this device's heads up to `ATTENTION_HEADS`)."""
+        g = self.options.attention_heads
+        return g or max(d for d in range(1, ATTENTION_HEADS + 1) if self.heads % d == 0)
 
     @property
     def expert_bytes(self) -> int:
@@ -842,6 +859,9 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
         from mk.model.sharding import check_layout
         check_layout(cfg, layout)
     layout.check(cfg)
+    if options.attention_heads and (cfg.heads // layout.tp_attn) % options.attention_heads:
+        raise PlanError(f"ScheduleOptions.attention_heads = {options.attention_heads} must divide the "
+                        f"{cfg.heads // layout.tp_attn} attention heads on a device")
     vmem_limit = vmem_limit or min(DEFAULT_VMEM_LIMIT, VMEM_BYTES[chip])
     if experts not in FORMATS:
         raise PlanError(f"experts must be one of {FORMATS}, found {experts!r}")

@@ -31,6 +31,7 @@ import gc
 import os
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -264,7 +265,8 @@ def _time_decode(step, weights, cfg: K3Config, batch: int, ctx: int, context: in
 def kernel_sweep(params: dict, cfg: K3Config, points, *, steps: int = 20, warmup: int = 3, mesh: int | None = None,
                  interpret=None) -> list[dict]:
     """The kernel's step time at each point, a dict with `depth`, `tile` (None: the plan's
-    default), `batch` (default 1) and `context` (tokens each row attends to; default 1).
+    default), `batch` (default 1), `context` (tokens each row attends to; default 1) and
+    `attention_heads` (`ScheduleOptions.attention_heads`; None: the default).
 
     Weights are packed once per (tile, batch) and shared by every depth whose plan packs them
     alike (`mk.kernel.aot.kernel_weight_shapes`), and dropped before the next are packed (two 6 GB
@@ -274,10 +276,11 @@ def kernel_sweep(params: dict, cfg: K3Config, points, *, steps: int = 20, warmup
     from mk.kernel.aot import kernel_weight_shapes
     from mk.kernel.step import _plan_for, kernel_weights
     from mk.kernel.decode import default_mesh as kernel_mesh, make_decode_step
+    from mk.kernel.plan import MK
     from mk.model.layout import PlanError
 
     pts = [dict(depth=p.get("depth"), tile=p.get("tile"), batch=int(p.get("batch", 1)),
-                context=int(p.get("context", 1))) for p in points]
+                context=int(p.get("context", 1)), attention_heads=p.get("attention_heads")) for p in points]
     groups: dict = {}
     for i, p in enumerate(pts):
         groups.setdefault((p["tile"], p["batch"]), []).append(i)
@@ -291,11 +294,14 @@ def kernel_sweep(params: dict, cfg: K3Config, points, *, steps: int = 20, warmup
             rows[i] = row
             ctx = -(-(p["context"] + steps + warmup) // 128) * 128          # room for every timed step
             try:
-                plan = _plan_for(params, cfg, batch, p["depth"], ctx, mesh, {"tile": tile} if tile else {})
+                kw = {"tile": tile} if tile else {}
+                if p["attention_heads"]:
+                    kw["options"] = dataclasses.replace(MK, attention_heads=int(p["attention_heads"]))
+                plan = _plan_for(params, cfg, batch, p["depth"], ctx, mesh, kw)
             except PlanError as e:
                 row["error"] = f"plan refuses: {e}"
                 continue
-            row.update(depth=plan.prefetch_depth, tile=plan.tile_k if plan.tile_k == plan.tile_n else
+            row.update(depth=plan.prefetch_depth, attention_heads=plan.attention_heads, tile=plan.tile_k if plan.tile_k == plan.tile_n else
                        f"{plan.tile_k}x{plan.tile_n}", vmem_mib=plan.vmem_planned_bytes / 2**20,
                        bytes_per_step=plan_bytes(plan))
             try:

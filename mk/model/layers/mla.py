@@ -34,31 +34,32 @@ def project_qkv(a, w: dict, cfg: K3Config):
 
 
 def attend_block(q, k_block, v_block, valid, m, l, acc, scale: float):
-    """One cache block of the online softmax (spec 1.4.4 step 6), for one head of one row, fp32.
+    """One cache block of the online softmax (spec 1.4.4 step 6), for G heads of one row, fp32.
 
-    q [1, Kc] f32 (bf16 values); k_block [BLOCK, Kc] bf16, v_block [BLOCK, D] (bf16 values); valid [BLOCK, 1] bool;
-    running max m and denominator l [1, 128] (one value on every lane), accumulator acc [1, D]
-    -> updated (m, l, acc). Invalid slots count exactly zero, even if they hold NaN. The kernel
-    runs this very function on the blocks it DMAs in.
+    q [G, 1, Kc] f32 (bf16 values); k_block [G, BLOCK, Kc] bf16, v_block [G, BLOCK, D] (bf16
+    values); valid [BLOCK, 1] bool; running max m and denominator l [G, 1, 128] (one value on
+    every lane), accumulator acc [G, 1, D] -> updated (m, l, acc). Each head's arithmetic is the
+    same whatever G is. Invalid slots count exactly zero, even if they hold NaN. The kernel runs
+    this very function on the blocks it DMAs in (G heads at a time, `ScheduleOptions.attention_heads`).
     """
     # The scores as a matmul (bf16 operands, fp32 accumulation, like `common.mm`), not as
     # sum(f32(k) * q): XLA:CPU sums that reduction in another order when the bf16 -> f32 convert
     # is fused into it (the kernel, whose block is a fresh VMEM load) than when it is not (the
     # reference, whose loop-invariant block's convert XLA hoists out of the block loop).
-    s = jax.lax.dot_general(bf(q), k_block, (((1,), (1,)), ((), ())), preferred_element_type=F32).T
-    s = jnp.where(valid, s * scale, -jnp.inf)                                   # [BLOCK, 1]
-    m_new = jnp.maximum(m, jnp.max(s, axis=0, keepdims=True))
-    p = jnp.exp(s - m_new[:, :1])
+    s = jax.lax.dot_general(bf(q), k_block, (((2,), (2,)), ((0,), (0,))), preferred_element_type=F32)
+    s = jnp.where(valid, jnp.swapaxes(s, 1, 2) * scale, -jnp.inf)              # [G, BLOCK, 1]
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))                  # [G, 1, 128]
+    p = jnp.exp(s - m_new[..., :1])
     corr = jnp.exp(m - m_new)
-    l = l * corr + jnp.sum(p, axis=0, keepdims=True)
-    acc = acc * corr[:, :1] + jnp.sum(p * jnp.where(valid, f32(v_block), 0.0), axis=0, keepdims=True)
+    l = l * corr + jnp.sum(p, axis=1, keepdims=True)
+    acc = acc * corr[..., :1] + jnp.sum(p * jnp.where(valid, f32(v_block), 0.0), axis=1, keepdims=True)
     return m_new, l, acc
 
 
 def softmax_start(D: int):
-    """The online softmax's (m, l, acc) before the first block."""
-    return (jnp.full((1, 128), -jnp.inf, jnp.float32), jnp.zeros((1, 128), jnp.float32),
-            jnp.zeros((1, D), jnp.float32))
+    """The online softmax's (m, l, acc) of one head before the first block: [1, 1, 128] x 2, [1, 1, D]."""
+    return (jnp.full((1, 1, 128), -jnp.inf, jnp.float32), jnp.zeros((1, 1, 128), jnp.float32),
+            jnp.zeros((1, 1, D), jnp.float32))
 
 
 def attend(q, k_cache, v_cache, pos, scale: float):
@@ -79,9 +80,9 @@ def attend(q, k_cache, v_cache, pos, scale: float):
 
         def block(j, carry):
             kb, vb = (jax.lax.dynamic_slice_in_dim(c, j * BLOCK, BLOCK) for c in (kc, vc))
-            return attend_block(f32(q)[None], kb, vb, j * BLOCK + slot <= t, *carry, scale)
+            return attend_block(f32(q)[None, None], kb[None], vb[None], j * BLOCK + slot <= t, *carry, scale)
         m, l, acc = jax.lax.fori_loop(0, t // BLOCK + 1, block, softmax_start(D))
-        return (acc / l[:, :1])[0]
+        return (acc / l[..., :1])[0, 0]
 
     o = jax.lax.map(one, (q.reshape(B * H, Kc), k_cache.reshape(B * H, ctx + pad, Kc),
                           v_cache.reshape(B * H, ctx + pad, D), jnp.repeat(pos, H)))
