@@ -16,6 +16,7 @@ leaves no freedom (data movement, masking, routing choices, n = 0 mixes) the che
 """
 import math
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -490,6 +491,29 @@ def test_mla_softmax_scale():
                               jnp.asarray([ctx - 1]), cfg.mla_scale), F64)[0, 0]
     np.testing.assert_allclose(o, direct(1 / math.sqrt(Dq)), rtol=2e-5, atol=2e-6)
     assert np.abs(o - direct(1 / math.sqrt(D))).max() > 1e-3      # the test tells the scales apart
+
+
+def test_attend_block_is_per_head_whatever_the_grouping():
+    """`attend_block` over G heads at once gives each head exactly what it gives that head alone
+    (the kernel attends `attention_heads` at a time, the reference one), jitted, bit for bit: the
+    running max, the denominator and the accumulator, from a nonzero state, with NaN in the
+    invalid slots."""
+    rng = np.random.default_rng(15)
+    G, Kc, D = 8, 256, 128
+    q = jnp.asarray(rb(rng.standard_normal((G, 1, Kc))), jnp.float32)
+    kb, vb = (jnp.asarray(rng.standard_normal((G, mla.BLOCK, w)), jnp.bfloat16) for w in (Kc, D))
+    vb = vb.at[:, 100:].set(jnp.nan)
+    valid = jnp.arange(mla.BLOCK)[:, None] < 100
+    state = (jnp.asarray(rng.standard_normal((G, 1, 1)), jnp.float32) * jnp.ones((1, 1, 128)),
+             jnp.asarray(rng.random((G, 1, 1)), jnp.float32) * jnp.ones((1, 1, 128)),
+             jnp.asarray(rng.standard_normal((G, 1, D)), jnp.float32))
+    attend = jax.jit(mla.attend_block, static_argnums=7)
+    together = attend(q, kb, vb, valid, *state, 0.1)
+    for h in range(G):
+        alone = attend(q[h:h + 1], kb[h:h + 1], vb[h:h + 1], valid, *(x[h:h + 1] for x in state), 0.1)
+        for a, b in zip(together, alone):
+            assert np.isfinite(np.asarray(b)).all()
+            np.testing.assert_array_equal(np.asarray(a[h:h + 1]), np.asarray(b))
 
 
 # ---- MoE ------------------------------------------------------------------------------------------

@@ -61,6 +61,24 @@ def test_schedule_options_are_points_of_one_space():
         make_plan(get_config("mini"), 1, options="seed")
 
 
+def test_attention_heads_default_and_validation():
+    """The MLA loops' heads per step: by default the largest divisor of the device's heads up to
+    ATTENTION_HEADS (mini's 2 heads: 2; k3-chip's 32: 8); an explicit G must divide them."""
+    import dataclasses
+
+    from mk.kernel.plan import ATTENTION_HEADS, MK, ScheduleOptions
+    assert MK.attention_heads == 0 and ATTENTION_HEADS == 8
+    assert make_plan(get_config("mini"), 1).attention_heads == 2
+    assert make_plan(get_config("k3-chip"), 1, check=False).attention_heads == 8
+    assert make_plan(get_config("k3-chip"), 1, check=False,
+                     options=dataclasses.replace(MK, attention_heads=32)).attention_heads == 32
+    with pytest.raises(PlanError, match="attention_heads = 3 must divide the 32 attention heads"):
+        make_plan(get_config("k3-chip"), 1, check=False, options=dataclasses.replace(MK, attention_heads=3))
+    with pytest.raises(PlanError, match="attention_heads must be an integer >= 0"):
+        ScheduleOptions(attention_heads=-1)
+    assert dataclasses.replace(MK, attention_heads=4).kernel      # the kernel runs any grouping
+
+
 def test_options_shape_the_matrices_and_the_schedule():
     """The same make_plan, two points: mk's tiles through one ring, the seed's whole matrices in
     named buffers, its FP8 gate/up, its collectives; the kernel's plan is unchanged by the default."""

@@ -52,7 +52,11 @@ def attend_block(q, k_block, v_block, valid, m, l, acc, scale: float):
     p = jnp.exp(s - m_new[..., :1])
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=1, keepdims=True)
-    acc = acc * corr[..., :1] + jnp.sum(p * jnp.where(valid, f32(v_block), 0.0), axis=1, keepdims=True)
+    # The weighted sum of values head by head, on the same [BLOCK, D] shapes for any G: XLA:CPU
+    # orders a reduction over the middle axis of [G, BLOCK, D] differently from one over [BLOCK, D].
+    pv = jnp.stack([jnp.sum(p[g] * jnp.where(valid, f32(v_block[g]), 0.0), axis=0, keepdims=True)
+                    for g in range(q.shape[0])])                               # [G, 1, D]
+    acc = acc * corr[..., :1] + pv
     return m_new, l, acc
 
 
