@@ -63,7 +63,7 @@ def backend_label() -> str:
         return "CPU (interpret mode / XLA:CPU; not a speed claim)"
     import jax
     n = jax.local_device_count()
-    return f"{jax.devices()[0].device_kind} ({n} device{'s' if n > 1 else ''}), measured"
+    return f"{jax.devices()[0].device_kind} ({n} device{'s' if n > 1 else ''})"
 
 
 def model_name(config: "str | K3Config | None" = None, checkpoint: "str | os.PathLike | None" = None,
