@@ -30,7 +30,6 @@ from mk.model import reference
 from mk.kernel.check import races_found
 from mk.model.config import get_config
 from mk.kernel.decode import interpret_params
-from mk.kernel.plan import MK
 from mk.kernel.step import make_step_fn
 from mk.kernel.schedule import schedule
 
@@ -138,20 +137,18 @@ def test_mla_crosses_cache_block(mini, mini_b1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention_heads", (0, 1))
-def test_mla_head_grouping_is_exact(attention_heads):
-    """mini with 8 heads: the kernel attends 8 heads per loop step by default (`attention_heads`)
-    and one at a time with 1; either way bit-exact with the reference (which attends one head at
-    a time), rows at positions 127 and 60 for two steps (the first row crosses into block 1)."""
+def test_mla_head_grouping_is_exact():
+    """mini with 8 heads: the kernel attends 8 heads per loop step (`attention_heads`' default),
+    bit-exact with the reference, which attends one head at a time; rows at positions 127 and 60
+    for two steps (the first row crosses into block 1). mini itself runs 2 heads per step, and
+    test_layers.py holds `attend_block` per head for any grouping."""
     cfg = dataclasses.replace(get_config("mini"), heads=8)
     params = params_mod.init(cfg, 0)
     rng = np.random.default_rng(3)
     cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, n) for n in (127, 60)])
-    step_fn = make_step_fn(params, cfg, 2, ctx=CTX, interpret=interpret_params(detect_races=True),
-                           options=dataclasses.replace(MK, attention_heads=attention_heads))
-    assert step_fn.plan.attention_heads == (attention_heads or 8)
-    side_by_side(step_fn, params, cfg, cache, rng.integers(0, cfg.vocab, (2, 2), dtype=np.int32),
-                 f"attention_heads {step_fn.plan.attention_heads}")
+    step_fn = make_step_fn(params, cfg, 2, ctx=CTX, interpret=interpret_params(detect_races=True))
+    assert step_fn.plan.attention_heads == 8
+    side_by_side(step_fn, params, cfg, cache, rng.integers(0, cfg.vocab, (2, 2), dtype=np.int32), "8 heads per step")
 
 
 # ---- 2 + 5. rows at different positions; DMA order observed at runtime ---------------------------
