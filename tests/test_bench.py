@@ -120,7 +120,7 @@ def test_measure_pipeline_on_mini(monkeypatch):
     """All impls at two batches, the TPU check bypassed: every row complete, routing counted."""
     monkeypatch.setattr(bench, "require_tpu", lambda backend=None: None)
     rows = bench.measure(MINI, batches=(1, 2), steps=2, warmup=1, impls=("kernel", "xla", "reference"),
-                         progress=False)
+                         progress=False, device_steps=1)     # one traced step: the path runs (no device plane on CPU)
     assert [(r["impl"], r["batch"]) for r in rows] == [(i, b) for b in (1, 2) for i in ("kernel", "xla", "reference")]
     for r in rows:
         assert r["error"] is None and r["steps"] == 2 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]

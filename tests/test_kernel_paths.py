@@ -139,16 +139,16 @@ def test_mla_crosses_cache_block(mini, mini_b1):
 @pytest.mark.slow
 def test_mla_head_grouping_is_exact():
     """mini with 8 heads: the kernel attends 8 heads per loop step (`attention_heads`' default),
-    bit-exact with the reference, which attends one head at a time; rows at positions 127 and 60
-    for two steps (the first row crosses into block 1). mini itself runs 2 heads per step, and
+    bit-exact with the reference, which attends one head at a time; one row at positions 127 and
+    128 (the last slot of block 0, then block 1). mini itself runs 2 heads per step, and
     test_layers.py holds `attend_block` per head for any grouping."""
     cfg = dataclasses.replace(get_config("mini"), heads=8)
     params = params_mod.init(cfg, 0)
     rng = np.random.default_rng(3)
-    cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, n) for n in (127, 60)])
-    step_fn = make_step_fn(params, cfg, 2, ctx=CTX, interpret=interpret_params(detect_races=True))
+    cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, 127)])
+    step_fn = make_step_fn(params, cfg, 1, ctx=CTX, interpret=interpret_params(detect_races=True))
     assert step_fn.plan.attention_heads == 8
-    side_by_side(step_fn, params, cfg, cache, rng.integers(0, cfg.vocab, (2, 2), dtype=np.int32), "8 heads per step")
+    side_by_side(step_fn, params, cfg, cache, rng.integers(0, cfg.vocab, (2, 1), dtype=np.int32), "8 heads per step")
 
 
 # ---- 2 + 5. rows at different positions; DMA order observed at runtime ---------------------------
