@@ -16,7 +16,6 @@ steps). Tolerances are test_kernel.py's.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 
 import jax
@@ -142,7 +141,7 @@ def test_mla_head_grouping_is_exact():
     bit-exact with the reference, which attends one head at a time; one row at positions 127 and
     128 (the last slot of block 0, then block 1). mini itself runs 2 heads per step, and
     test_layers.py holds `attend_block` per head for any grouping."""
-    cfg = dataclasses.replace(get_config("mini"), heads=8)
+    cfg = get_config("mini").replace(heads=8)
     params = params_mod.init(cfg, 0)
     rng = np.random.default_rng(3)
     cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, 127)])

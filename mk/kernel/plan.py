@@ -71,14 +71,14 @@ MXFP4_UNPACK = {"tpu7x": "bitcast", "cpu": "bitcast"}
 DEFAULT_UNPACK = "pairs"
 # Heads of one row the kernel's MLA loops take per step by default (`ScheduleOptions.attention_heads`).
 ATTENTION_HEADS = 8
+# jax `device_kind` -> mk.kernel.plan chip name
+CHIP_OF_DEVICE_KIND = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+                       "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x", "TPU v7": "tpu7x", "cpu": "cpu"}
 
 
 def chip_unpack(chip: str) -> str:
     """The MXFP4 unpack the kernel uses on `chip` (a plan chip name) by default."""
     return MXFP4_UNPACK.get(chip, DEFAULT_UNPACK)
-# jax `device_kind` -> mk.kernel.plan chip name
-CHIP_OF_DEVICE_KIND = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
-                       "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x", "TPU v7": "tpu7x", "cpu": "cpu"}
 
 
 def chip_of_device(device) -> str:

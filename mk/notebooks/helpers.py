@@ -27,11 +27,11 @@ for the local chip) and the XProf trace readers `device_events`, `kernel_ops`, `
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import tempfile
 import time
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
