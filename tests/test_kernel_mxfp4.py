@@ -49,7 +49,7 @@ def test_mxfp4_buffers_and_checks():
     names = {b.name: b for b in p.buffers}
     assert names["code_slots"].shape == (p.num_slots, p.tile_k // 8, p.tile_n) and names["code_slots"].dtype == "int32"
     assert names["scale_slots"].shape == (p.num_slots, p.tile_k // 128, p.tile_n)
-    assert names["dequant"].shape == (p.tile_k, p.tile_n) and names["dequant"].dtype == "bfloat16"
+    assert "dequant" not in names       # unpacked in registers (mk.kernel.ring.mxfp4_tile_product)
     assert "code_slots" not in {b.name for b in make_plan(cfg, 1).buffers}
     with pytest.raises(PlanError, match="tile_k to be a multiple of 256"):
         make_plan(cfg, 1, experts="mxfp4", tile=(128, 128))
@@ -78,6 +78,28 @@ def _run_dequant(codes, scales, m, unpack="bitcast"):
     return np.asarray(out)
 
 
+def _run_tile_product(x, codes, scales, unpack):
+    """The kernel's `mxfp4_tile_product` (unpacked in registers, straight to the MXU) of x [R, tk] bf16
+    and one packed tile, in TPU interpret mode (compiled on a TPU) -> f32 [R, tn]."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from mk.kernel.decode import interpret_params, on_tpu
+    from mk.kernel.ring import mxfp4_tile_product
+
+    def kernel(x_ref, c_ref, s_ref, o_ref):
+        o_ref[...] = mxfp4_tile_product(jnp.zeros(o_ref.shape, jnp.float32), x_ref[...], c_ref, s_ref, unpack,
+                                        x_ref.shape[1])
+
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], codes.shape[-1]), jnp.float32),
+                         in_specs=[vmem] * 3, out_specs=vmem,
+                         interpret=False if on_tpu() else interpret_params(detect_races=True))(
+        jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scales))
+    return np.asarray(out)
+
+
 def every_code_every_scale_tile(tk=512, tn=256, seed=0):
     """E2M1 codes u8 [tk, tn] holding every code in every column, E8M0 bytes u8 [tk / 32, tn] holding
     every byte the kernel accepts (`KERNEL_SCALE_RANGE`) under every code, and ml_dtypes' bf16
@@ -98,8 +120,8 @@ def every_code_every_scale_tile(tk=512, tn=256, seed=0):
 def test_in_kernel_dequant_bit_exact_against_ml_dtypes(unpack):
     """One expert tile holding every E2M1 code under every allowed E8M0 byte (2..252), unpacked by
     the kernel (integer shifts, every TPU; the fp4 bitcast, TPU v7), equals ml_dtypes'
-    float4_e2m1fn x float8_e8m0fnu in bf16 bit for bit (signed zeros included). In interpret mode
-    on CPU; compiled on a TPU backend (`JAX_PLATFORMS=tpu,cpu pytest ...` on the chip)."""
+    float4_e2m1fn x float8_e8m0fnu in bf16 bit for bit (signed zeros included), stored as a tile
+    and as the kernel multiplies it (`mxfp4_tile_product`). In interpret mode on CPU; compiled on a TPU backend (`JAX_PLATFORMS=tpu,cpu pytest ...` on the chip)."""
     from mk.kernel.step import attached_chip
     from mk.kernel.decode import on_tpu
     if on_tpu() and unpack != make_plan(get_config("mini"), 1, chip=attached_chip(), experts="mxfp4").mxfp4_unpack:
@@ -113,6 +135,10 @@ def test_in_kernel_dequant_bit_exact_against_ml_dtypes(unpack):
     for other in set(packing.UNPACKS) - {unpack}:                     # each layout is its own
         c2, s2 = packing.pack_mxfp4_tiles(codes, scales, tk, tn, other)
         assert not np.array_equal(_run_dequant(c2, s2, m, unpack)[0].view(np.uint16), want.view(np.uint16))
+    # the kernel's own path: unpacked 128 columns at a time into the MXU; an identity LHS reads the tile
+    # back exactly (one exact product per output, the rest zeros; signed zeros become +0)
+    eye = np.eye(tk, dtype=ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(_run_tile_product(eye, c[0], s[0], unpack), want.astype(np.float32))
 
 
 def test_packed_expert_tiles_dequantize_to_the_bf16_tiles():

@@ -303,8 +303,8 @@ class ScheduleOptions:
                    chunks (fewer bytes, two hops; `mk.kernel.collectives.all_reduce`)
     recipe         'tuned': spec 3.7's batch-specific options (persistent KDA state at B <= 4, token
                    scatter at B = 8, routed reduce-scatter at B in {6, 8}); 'base': none
-    mxfp4_matmul   how an MXFP4 matrix meets the MXU: 'bf16': its codes converted to bf16 and scaled
-                   into a bf16 tile in VMEM (mk's kernel, `mk.kernel.ring.dequantize_tile`);
+    mxfp4_matmul   how an MXFP4 matrix meets the MXU: 'bf16': its codes converted to scaled bf16 in
+                   vector registers, 128 columns at a time (mk's kernel, `mk.kernel.ring.mxfp4_tile_product`);
                    'fp8': codes converted to fp8, block-diagonal LHS (the seed, spec 3.5; chips
                    with an fp8 MXU, `FP8_MXU`)
     mxfp4_unpack   how the kernel turns code words into values: 'auto': the chip's (`MXFP4_UNPACK`);
@@ -744,8 +744,7 @@ class Plan:
             if self.options.mxfp4_matmul == "fp8":   # fp8 path: e4m3 tile, block-diagonal LHS (spec 3.5)
                 b += [VM("dequant", (self.tile_k, self.tile_n), F8),               # the tile, e4m3 [TK, TN]
                       VM("mx_lhs", (self.tile_k // MX_GROUP * R, self.tile_k), BF16)]  # [TK/32 * R, TK]
-            else:
-                b += [VM("dequant", (self.tile_k, self.tile_n), BF16)]       # the tile, bf16 [TK, TN]
+            # (the bf16 path unpacks in vector registers: no VMEM tile, `mk.kernel.ring.mxfp4_tile_product`)
         if N > 1:   # collectives (mk.kernel.collectives): double-buffered by parity, one landing slot per rank
             b += [
                 VM("landing", (2, N, M, W), BF16),                           # [parity, source, row, lane]

@@ -15,9 +15,9 @@ experts (`publish_routing`).
 
 Tiles land in the slot pool of their matrix's storage format (`Matrix.format`): bf16 tiles in
 `slots`; MXFP4 expert tiles (`plan.experts == "mxfp4"`) in their own `code_slots` / `scale_slots`
-with their own semaphores, and are dequantized into the bf16 `dequant` buffer right before their
-matmul (`dequantize_tile`, by the plan's `mxfp4_unpack`: integer ops on every TPU, the fp4
-bitcast on TPU v7). One cursor, one stream order, one prefetch depth for both pools; a
+with their own semaphores, and are unpacked 128 columns at a time into vector registers that feed
+the MXU directly (`mxfp4_tile_product`, by the plan's `mxfp4_unpack`: integer ops on every TPU, the
+fp4 bitcast on TPU v7). One cursor, one stream order, one prefetch depth for both pools; a
 pool's slot is its own issue count mod `num_slots`.
 """
 from __future__ import annotations
@@ -48,12 +48,39 @@ def group_scales(scales) -> jax.Array:
     return jax.lax.bitcast_convert_type(group_exponents(scales) << 23, jnp.float32)
 
 
+# An MXFP4 tile goes to the MXU this many columns at a time: unpacked in vector registers and
+# multiplied there, never stored as a bf16 tile (`mxfp4_tile_product`).
+DEQUANT_LANES = 128
+
+
+def tile_product(acc, x, w, chunk: int) -> jax.Array:
+    """acc [R, n] f32 + x [R, tk] bf16 @ w [tk, n] bf16 (ref or value): `chunk`-deep products summed
+    in order, as `mk.model.layers.common.mm` sums them."""
+    for c in range(0, w.shape[0], chunk):
+        acc = acc + jnp.dot(x[:, c:c + chunk], w[c:c + chunk], preferred_element_type=jnp.float32)
+    return acc
+
+
+def mxfp4_tile_product(acc, x, codes, scales, unpack: str, chunk: int) -> jax.Array:
+    """acc [R, tile_n] f32 + x [R, tile_k] bf16 @ one MXFP4 tile (codes [tile_k / 8, tile_n], scales
+    [tile_k / 128, tile_n] int32 refs) -> [R, tile_n] f32, `DEQUANT_LANES` columns at a time: each
+    block is unpacked (`unpack_values`) and fed to the MXU straight from the vector registers.
+
+    Why by columns: a bf16 tile stored to VMEM and loaded back for the MXU is relaid out on both
+    sides (v5e LLO, one 512 x 512 tile and an 8-row product: 3335 vector ops through a VMEM tile,
+    2091 fused, no loads, stores or repacking of weights). Each output column is the same sum in
+    the same order either way."""
+    s = group_exponents(scales)                                                       # [tk / 32, tn]
+    L = min(DEQUANT_LANES, acc.shape[1])
+    return jnp.concatenate([tile_product(acc[:, c:c + L], x, unpack_values(codes[:, c:c + L], s[:, c:c + L], unpack),
+                                         chunk) for c in range(0, acc.shape[1], L)], axis=1)
+
+
 def dequantize_tile(codes, scales, out, unpack: str = "shift"):
     """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
-    layout: `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`) -> out [tile_k, tile_n] bf16 ref,
-    exactly value(code) * 2^(s - 127), by the plan's `mxfp4_unpack` (`unpack_codes`). Whole-tile
-    ops (interpret mode runs each primitive separately)."""
-    unpack_codes(codes, group_exponents(scales), unpack, out)
+    layout: `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`) -> out [tile_k, tile_n] ref (bf16,
+    or float8_e4m3fn for unit scales) = exactly value(code) * 2^(s - 127) (`unpack_values`)."""
+    out[...] = unpack_values(codes[...], group_exponents(scales), unpack).astype(out.dtype)
 
 
 def _rows(group_rows, rows: int) -> jax.Array:
@@ -62,18 +89,23 @@ def _rows(group_rows, rows: int) -> jax.Array:
     return jnp.broadcast_to(group_rows[:, None, :], (g, rows, n)).reshape(g * rows, n)
 
 
-def pair_bits(x, e_pair) -> jax.Array:
-    """x [r, n] int32 holding two re-encoded codes (`mk.kernel.packing.pairs_nibble`: sign | k) at
-    bits 0-3 and 16-19 (higher bits of each half ignored), e_pair [r, n] int32: (s - 1) << 7 in both
-    halves -> both halves' bf16 bit patterns of value(code) * 2^(s - 127).
+def _shift(x, n: int) -> jax.Array:
+    """x << n, or a logical x >> -n for n < 0."""
+    return x << n if n >= 0 else jax.lax.shift_right_logical(x, -n)
+
+
+def pair_bits(words, j: int, e_pair) -> jax.Array:
+    """words [r, n] int32 holding re-encoded codes (`mk.kernel.packing.pairs_nibble`: sign | k) at
+    bits 4j .. 4j + 3 and 16 + 4j .. (the rest ignored), e_pair [r, n] int32: (s - 1) << 7 in both
+    16-bit halves -> both halves' bf16 bit patterns of value(code) * 2^(s - 127).
 
     The re-encoding makes a magnitude's bf16 bits linear in k: 0.5, 1, 1.5, 2, 3, 4, 6 are k = 0, 2,
     3, .. 7, bits (s - 1) << 7 + 64 k; zero is k = 1 and masked to 0. Every op acts on both 16-bit
     halves at once (no carry crosses bit 16): 13 integer ops for two weights."""
-    k6 = (x << 6) & 0x01C001C0                                  # k << 6 in each half (bits 6-8, 22-24)
+    k6 = _shift(words, 6 - 4 * j) & 0x01C001C0                  # k << 6 in each half (bits 6-8, 22-24)
     nonzero = ((k6 ^ 0x00400040) + 0x01C001C0) & 0x02000200     # bit 9 / 25: k != 1
     keep = (nonzero << 7) - jax.lax.shift_right_logical(nonzero, 9)   # 0xFFFF in each half where k != 1
-    sign = (x << 12) & (-0x7FFF8000)                            # the code's bit 3 -> bits 15 and 31 (0x80008000)
+    sign = _shift(words, 12 - 4 * j) & (-0x7FFF8000)            # the code's bit 3 -> bits 15 and 31 (0x80008000)
     return ((e_pair + k6) & keep) | sign
 
 
@@ -91,41 +123,35 @@ def e2m1_bits(nibbles, exponent) -> jax.Array:
     return mag | ((nibbles & 8) << 28)                           # the sign bit
 
 
-def unpack_codes(codes, s, unpack: str, out) -> None:
-    """codes [tile_k / 8, tile_n] int32 ref (layout: `mk.kernel.packing.pack_mxfp4_tiles` for
-    `unpack`), s [tile_k / 32, tile_n] int32 E8M0 bytes (group g = rows 32 g ..) -> out [tile_k,
-    tile_n] ref (bf16, or float8_e4m3fn for unit scales) = value(code) * 2^(s - 127).
+def unpack_values(words, s, unpack: str) -> jax.Array:
+    """words [tk / 8, n] int32 (layout: `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`), s [tk / 32,
+    n] int32 E8M0 bytes (group g = rows 32 g ..) -> [tk, n] bf16 = value(code) * 2^(s - 127), exactly.
 
-    'pairs' (every TPU): plane j of the words (a logical shift by 4j) holds rows j tk/4 .. as
-    bf16 pairs, built two at a time in 32-bit lanes (`pair_bits`) and reinterpreted as bf16
-    (`pltpu.bitcast`: low half row 2w, high half row 2w + 1).
+    'pairs' (every TPU): bits 4j .. and 16 + 4j .. of the words hold rows j tk/4 + 2w and + 1 (plane
+    j), built as bf16 patterns two at a time in 32-bit lanes (`pair_bits`) and reinterpreted as bf16
+    (`pltpu.bitcast`: low half row 2w, high half row 2w + 1), which the MXU takes as it is.
     'shift' (every TPU): plane j is rows j tk/8 .., one f32 bit pattern per lane (`e2m1_bits`, about
     10 integer ops per weight), then converted to bf16.
     'bitcast' (TPU v7): `pltpu.bitcast` to E2M1 (row 8w + j = bits 4j .. of word w), one conversion
     to bf16 and a multiply by the power of two (exact)."""
-    tk = out.shape[0]
-    words = codes[...]                                                                 # [tk / 8, tn]
+    r = words.shape[0]                                                                 # word rows
     if unpack == "pairs":
         e_pair = (s - 1) << 7
-        e_pair = _rows(e_pair | (e_pair << 16), MX_GROUP // 2)                         # [tk / 2, tn], one per word row
-        q = tk // 4                                                                    # rows per plane
-        for j in range(CODES_PER_WORD // 2):
-            bits = pair_bits(jax.lax.shift_right_logical(words, 4 * j), e_pair[j * q // 2:(j + 1) * q // 2])
-            out[j * q:(j + 1) * q] = pltpu.bitcast(bits, jnp.bfloat16).astype(out.dtype)   # [tk / 4, tn]
-        return
+        e_pair = _rows(e_pair | (e_pair << 16), MX_GROUP // 2)                         # [tk / 2, n], one per word row
+        return jnp.concatenate([pltpu.bitcast(pair_bits(words, j, e_pair[j * r:(j + 1) * r]), jnp.bfloat16)
+                                for j in range(CODES_PER_WORD // 2)], axis=0)          # 4 planes of [tk / 4, n]
     if unpack == "bitcast":
         scale = jax.lax.bitcast_convert_type(_rows(s, MX_GROUP) << 23, jnp.float32).astype(jnp.bfloat16)
-        out[...] = (pltpu.bitcast(words, jnp.float4_e2m1fn).astype(jnp.bfloat16) * scale).astype(out.dtype)
-        return
+        return pltpu.bitcast(words, jnp.float4_e2m1fn).astype(jnp.bfloat16) * scale
     nibbles = jnp.concatenate([jax.lax.shift_right_logical(words, 4 * j) for j in range(CODES_PER_WORD)],
-                              axis=0)                                                  # [tk, tn]
+                              axis=0)                                                  # [tk, n]
     bits = e2m1_bits(nibbles, (_rows(s, MX_GROUP) - 1) << 23)
-    out[...] = jax.lax.bitcast_convert_type(bits, jnp.float32).astype(out.dtype)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
 
 
 def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix, unpack: str = "shift"):
     """acc [R, tile_n] f32 + x [R, tile_k] bf16 @ one MXFP4 tile on the fp8 path (spec 3.5): the
-    codes' values (`unpack_codes` with scale 1) converted to float8_e4m3fn (exact: E2M1 values are
+    codes' values (`unpack_values` with scale 1) converted to float8_e4m3fn (exact: E2M1 values are
     e4m3 values) into `w8` [tile_k, tile_n]; a block-diagonal LHS `lhs` [G R, tile_k] bf16 (G =
     tile_k / 32 groups; block g holds x's columns of group g, zeros elsewhere); one MXU dot gives
     every group's partial product [G R, tile_n] f32; each is scaled by its group's 2^(s - 127) and
@@ -141,7 +167,7 @@ def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix, unpack: str = "s
     if unpack == "bitcast":
         w8[...] = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn)   # [tk, tn]
     else:
-        unpack_codes(codes, jnp.full((G, tn), 127, jnp.int32), unpack, w8)           # [tk, tn] e4m3, scale 2^0
+        w8[...] = unpack_values(codes[...], jnp.full((G, tn), 127, jnp.int32), unpack).astype(w8.dtype)  # [tk, tn] e4m3, 2^0
     xs = jnp.concatenate([x.astype(jnp.float32)] * G, axis=0)                        # [G R, tk]
     row_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 0) // R
     col_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 1) // MX_GROUP
@@ -275,14 +301,6 @@ class WeightRing:
         self.c = dict(self.c, consumed=self.c["consumed"] + 1,
                       consumed_mx=self.c["consumed_mx"] + int(m.format == "mxfp4"))
 
-    def tile(self, m: Matrix, slot):
-        """The bf16 [tile_k, tile_n] ref of the tile in `slot` of m's pool (mxfp4: dequantized now)."""
-        if m.format == "mxfp4":
-            r = self.r
-            dequantize_tile(r.code_slots.at[slot], r.scale_slots.at[slot], r.dequant, self.plan.mxfp4_unpack)
-            return r.dequant
-        return self.r.slots.at[slot]
-
     def matmul(self, x: jax.Array, m: Matrix) -> jax.Array:
         """x [rows, <= m.k] bf16 @ the streamed matrix m -> [rows, m.n] f32 (fp32 accumulation).
 
@@ -299,17 +317,16 @@ class WeightRing:
         def column(n):
             def row_block(k, carry):
                 acc, self.c = carry
-                slot = self.take(m)
+                slot, r = self.take(m), self.r
+                xk = xbuf[:, pl.ds(pl.multiple_of(k * tk, tk), tk)]                         # [rows, tk] bf16
                 if m.format == "mxfp4" and self.fp8:          # group partials on the fp8 path
-                    r = self.r
-                    xk = xbuf[:, pl.ds(pl.multiple_of(k * tk, tk), tk)]
                     acc = fp8_tile_product(acc, xk, r.code_slots.at[slot], r.scale_slots.at[slot], r.mx_lhs,
                                            r.dequant, m, self.plan.mxfp4_unpack)
+                elif m.format == "mxfp4":                     # unpacked in registers, straight to the MXU
+                    acc = mxfp4_tile_product(acc, xk, r.code_slots.at[slot], r.scale_slots.at[slot],
+                                             self.plan.mxfp4_unpack, chunk)
                 else:
-                    w = self.tile(m, slot)
-                    for c in range(0, tk, chunk):   # K_CHUNK-deep products, summed in order (as mk.model.layers.common.mm)
-                        xk = xbuf[:, pl.ds(pl.multiple_of(k * tk + c, chunk), chunk)]
-                        acc = acc + jnp.dot(xk, w[c:c + chunk], preferred_element_type=jnp.float32)
+                    acc = tile_product(acc, xk, r.slots.at[slot], chunk)
                 self.release(m)
                 return acc, self.c
             acc, self.c = jax.lax.fori_loop(0, m.k_tiles, row_block,
