@@ -29,26 +29,28 @@ from typing import Sequence
 from mk.kernel import conventional
 from mk.kernel.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError, WeightDMA, round_up
 
-# Vector ops per weight of an MXFP4 matrix's in-VMEM conversion, by how it meets the MXU
+# Vector ops per weight of an MXFP4 matrix's conversion, by how it meets the MXU
 # (`ScheduleOptions.mxfp4_matmul`) and how its codes are unpacked (`Plan.mxfp4_unpack`), counted in
-# mk/kernel/ring.py (`unpack_codes`, `dequantize_tile`, `fp8_tile_product`):
-#   ('bf16', 'bitcast'): the E2M1 -> bf16 conversion of the bitcast words, the broadcast scale, the
-#           multiply and the store: 4 (TPU v7);
-#   ('bf16', 'shift'): the plane shift and its concatenation, `e2m1_bits` (and, shift, compare, add,
-#           compare, two selects, sign and / shift / or: 10), the broadcast exponent, the f32 -> bf16
-#           conversion and the store: 15 (v5e, v6e);
-#   ('fp8', 'bitcast'): the seed (spec 3.5): one fp4 -> fp8 conversion per weight, the E8M0 group
-#           scales applied to [B, T/32, N] partial products (per group, not per weight): 1;
-#   ('fp8', 'shift'): the shift, concatenation and `e2m1_bits` (12), the e4m3 conversion and store: 14;
-#   ('bf16', 'pairs'): per two weights in one 32-bit lane, the plane shift, `pair_bits` (13), the
-#           broadcast exponent pair and the store of the bitcast pair: 16, so 8 per weight (v5e, v6e);
-#   ('fp8', 'pairs'): the same and a bf16 -> e4m3 conversion: 10.
-DEQUANT_OPS = {("bf16", "bitcast"): 4, ("bf16", "shift"): 15, ("bf16", "pairs"): 8,
+# mk/kernel/ring.py (`unpack_values`, `mxfp4_tile_product`, `fp8_tile_product`):
+#   ('bf16', *): unpacked in vector registers and fed to the MXU, no store (`mxfp4_tile_product`);
+#       'bitcast': the E2M1 -> bf16 conversion of the bitcast words, the broadcast scale and the
+#           multiply: 3 (TPU v7);
+#       'shift': the plane shift and its concatenation, `e2m1_bits` (and, shift, compare, add,
+#           compare, two selects, sign and / shift / or: 10), the broadcast exponent and the
+#           f32 -> bf16 conversion: 14 (v5e, v6e, on request);
+#       'pairs': per two weights in one 32-bit lane, `pair_bits` (13, the plane shift folded in) and
+#           the broadcast exponent pair: 14, so 7 per weight (v5e, v6e);
+#   ('fp8', *): the e4m3 tile stored to VMEM, then a block-diagonal LHS (`fp8_tile_product`);
+#       'bitcast': the seed (spec 3.5): one fp4 -> fp8 conversion per weight, the E8M0 group scales
+#           applied to [B, T/32, N] partial products (per group, not per weight): 1;
+#       'shift': the shift, concatenation and `e2m1_bits` (12), the e4m3 conversion and store: 14;
+#       'pairs': as above, a bf16 -> e4m3 conversion and the store: 10.
+DEQUANT_OPS = {("bf16", "bitcast"): 3, ("bf16", "shift"): 14, ("bf16", "pairs"): 7,
                ("fp8", "bitcast"): 1, ("fp8", "shift"): 14, ("fp8", "pairs"): 10}
 
 
 def dequant_ops(mxfp4_matmul: str, unpack: str) -> int:
-    """Vector ops per weight of an MXFP4 tile's in-VMEM conversion (`DEQUANT_OPS`)."""
+    """Vector ops per weight of an MXFP4 tile's conversion (`DEQUANT_OPS`)."""
     return DEQUANT_OPS[mxfp4_matmul, unpack]
 
 

@@ -22,9 +22,9 @@ launch, the first DMA and the final write-back cancel.
   vector  y = y * a + a over a [rows, 1024] f32 VMEM block, `FMAS` times per pass: 2 FMAS flops
           per element per pass (vector_flops); and one load-multiply-store pass over a VMEM block
           too large for the registers (vector_bw: bytes read + written).
-  dequant the kernel's own MXFP4 tile dequantization (`mk.kernel.ring.dequantize_tile`) of a
-          [DEQ_K, DEQ_N] tile in VMEM into bf16, repeated, by each unpack every TPU lowers ('pairs',
-          'shift'): weights per second. That of the chip's own unpack (`mk.kernel.plan.MXFP4_UNPACK`)
+  dequant the kernel's own product of an 8-row bf16 LHS with an MXFP4 [DEQ_K, DEQ_N] tile in
+          VMEM, unpacked in registers straight into the MXU (`mk.kernel.ring.mxfp4_tile_product`),
+          repeated, by each unpack every TPU lowers ('pairs', 'shift'): weights per second. That of the chip's own unpack (`mk.kernel.plan.MXFP4_UNPACK`)
           times its vector ops per weight (`mk.kernel.schedule.DEQUANT_OPS`) is `dequant_op_rate`,
           the rate the simulator charges in-VMEM dequantization at (a dependent FMA chain,
           `vector_flops`, measures the VPU's latency more than its throughput).
@@ -60,6 +60,7 @@ DMA_INFLIGHT = 4
 VEC_ROWS, VEC_COLS, FMAS = 64, 1024, 16   # 256 KiB of f32: the vector registers' worth
 BW_ROWS = 2048                            # 8 MiB of f32: streamed through VMEM
 DEQ_K, DEQ_N = 512, 512                   # one expert tile of k3-chip's plan
+DEQ_ROWS = 8                              # its LHS rows at B = 8 (the MXU's 8-row tile)
 VMEM_LIMIT = 48 << 20
 
 
@@ -176,26 +177,29 @@ def vector_call(kind: str, reps: int, interpret=False):
         interpret=interpret, name=f"mk_microbench_vector_{kind}")
 
 
-def _dequant_kernel(codes_ref, scales_ref, o_ref, *, reps: int, unpack: str):
-    # codes_ref: [DEQ_K / 8, DEQ_N] int32   scales_ref: [DEQ_K / 128, DEQ_N] int32   o_ref: [DEQ_K, DEQ_N] bf16 (VMEM)
-    from mk.kernel.ring import dequantize_tile
+def _dequant_kernel(x_ref, codes_ref, scales_ref, o_ref, *, reps: int, unpack: str):
+    # x_ref: [DEQ_ROWS, DEQ_K] bf16   codes_ref: [2, DEQ_K / 8, DEQ_N] int32   scales_ref: [2, DEQ_K / 128, DEQ_N] int32
+    # o_ref: [DEQ_ROWS, DEQ_N] f32 (VMEM)
+    from mk.kernel.ring import mxfp4_tile_product
 
-    def body(i, carry):
-        dequantize_tile(codes_ref, scales_ref, o_ref, unpack)
-        return carry
+    def body(i, acc):                   # tile i % 2: a loop-carried index, so nothing is hoisted
+        t = i % 2
+        return mxfp4_tile_product(acc, x_ref[...], codes_ref.at[t], scales_ref.at[t], unpack, DEQ_K)
 
-    with jax.named_scope("dequant_tiles"):
-        jax.lax.fori_loop(0, reps, body, 0)
+    with jax.named_scope("mxfp4_tile_products"):
+        o_ref[...] = jax.lax.fori_loop(0, reps, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
 def dequant_call(reps: int, interpret=False, unpack: str = "shift"):
-    """`f(codes [DEQ_K / 8, DEQ_N] int32, scales [DEQ_K / 128, DEQ_N] int32) -> [DEQ_K, DEQ_N] bf16`: the
-    kernel's dequantization of one tile by `unpack` (layout `mk.kernel.packing.pack_mxfp4_tiles`), reps times."""
+    """`f(x [DEQ_ROWS, DEQ_K] bf16, codes [2, DEQ_K / 8, DEQ_N] int32, scales [2, DEQ_K / 128, DEQ_N] int32)
+    -> [DEQ_ROWS, DEQ_N] f32`: the kernel's product of a B = 8 LHS with an MXFP4 tile
+    (`mk.kernel.ring.mxfp4_tile_product`, layout `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`),
+    the two tiles alternating, reps times, summed."""
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     return pl.pallas_call(
         partial(_dequant_kernel, reps=reps, unpack=unpack),
-        out_shape=jax.ShapeDtypeStruct((DEQ_K, DEQ_N), jnp.bfloat16),
-        in_specs=[vmem, vmem], out_specs=vmem,
+        out_shape=jax.ShapeDtypeStruct((DEQ_ROWS, DEQ_N), jnp.float32),
+        in_specs=[vmem, vmem, vmem], out_specs=vmem,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret, name=f"mk_microbench_dequant_{unpack}")
 
@@ -203,28 +207,32 @@ def dequant_call(reps: int, interpret=False, unpack: str = "shift"):
 DEQUANT_UNPACKS = ("pairs", "shift")      # the unpacks every TPU lowers (`mk.kernel.plan.MXFP4_UNPACK`)
 
 
-def dequant_args(rng, unpack: str = "shift") -> tuple[np.ndarray, np.ndarray]:
-    """Random E2M1 codes under E8M0 bytes 120..134, packed for `unpack`: (codes, scales) words."""
+def dequant_args(rng, unpack: str = "shift") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A bf16 LHS and two tiles of random E2M1 codes under E8M0 bytes 120..134, packed for `unpack`:
+    (x, codes words, scales words)."""
     from mk.kernel.packing import pack_mxfp4_tiles
-    codes = rng.integers(0, 16, (DEQ_K, DEQ_N), dtype=np.uint8)
-    scales = rng.integers(120, 135, (DEQ_K // 32, DEQ_N), dtype=np.uint8)
-    c, sc = pack_mxfp4_tiles(codes, scales, DEQ_K, DEQ_N, unpack)     # [1, rows, DEQ_N] each
-    return c[0], sc[0]
+    x = rng.standard_normal((DEQ_ROWS, DEQ_K)).astype(jnp.bfloat16)
+    codes = rng.integers(0, 16, (2, DEQ_K, DEQ_N), dtype=np.uint8)
+    scales = rng.integers(120, 135, (2, DEQ_K // 32, DEQ_N), dtype=np.uint8)
+    c, sc = pack_mxfp4_tiles(codes, scales, DEQ_K, DEQ_N, unpack)     # [2, 1, rows, DEQ_N] each
+    return x, c[:, 0], sc[:, 0]
 
 
 def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray, unpack: str = "shift") -> np.ndarray:
-    """numpy: the `unpack` layout's words -> the tile's values f32 [DEQ_K, DEQ_N] (code value x 2^(s - 127))."""
+    """numpy: the `unpack` layout's words [..., rows, DEQ_N] -> the tiles' values f32 [..., DEQ_K, DEQ_N]
+    (code value x 2^(s - 127))."""
     from mk.kernel.packing import pairs_nibble
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     c, s = np.asarray(codes_words).view(np.uint32), np.asarray(scale_words).view(np.uint32)
-    part = [(c >> np.uint32(4 * j)) & 15 for j in range(8)]                                # [DEQ_K / 8, DEQ_N] each
+    n = c.shape[-1]
+    part = [(c >> np.uint32(4 * j)) & 15 for j in range(8)]                                # [..., DEQ_K / 8, n] each
     if unpack == "pairs":      # part j + 4h of word w: row j DEQ_K / 4 + 2w + h, re-encoded
-        codes = pairs_nibble(np.concatenate([np.stack(part[j::4], axis=1).reshape(-1, c.shape[1])
-                                             for j in range(4)], axis=0))
+        codes = pairs_nibble(np.concatenate([np.stack(part[j::4], axis=-2).reshape(*c.shape[:-2], -1, n)
+                                             for j in range(4)], axis=-2))
     else:
-        codes = np.concatenate(part, axis=0)                                                 # [DEQ_K, DEQ_N]
-    groups = np.concatenate([(s >> np.uint32(8 * j)) & 255 for j in range(4)], axis=0)      # [DEQ_K / 32, DEQ_N]
-    return e2m1[codes] * np.exp2(np.repeat(groups.astype(np.float32) - 127, 32, axis=0))
+        codes = np.concatenate(part, axis=-2)                                                # [..., DEQ_K, n]
+    groups = np.concatenate([(s >> np.uint32(8 * j)) & 255 for j in range(4)], axis=-2)    # [..., DEQ_K / 32, n]
+    return e2m1[codes] * np.exp2(np.repeat(groups.astype(np.float32) - 127, 32, axis=-2))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,7 +299,8 @@ def expected(name: str, args) -> np.ndarray:
     if name.startswith("dma"):
         return np.asarray(args[0][-1])
     if name.startswith("dequant"):
-        return dequant_values(*args, unpack=name.split(".")[1])
+        x, w = np.asarray(args[0], np.float32), dequant_values(*args[1:], unpack=name.split(".")[1])
+        return sum(x @ w[i % 2] for i in range(CHECK_REPS["dequant"]))
     a = np.asarray(args[0], np.float32)
     if name == "vector.fma":
         y = a
@@ -425,8 +434,9 @@ CONSTANTS = {
     "vector_flops": ("flop/s", f"{FMAS} dependent f32 multiply-adds per element of a [{VEC_ROWS}, {VEC_COLS}] "
                                f"block, 2 flops each"),
     "vector_bw": ("bytes/s", f"load-multiply-store passes over a [{BW_ROWS}, {VEC_COLS}] f32 VMEM block"),
-    "dequant_op_rate": ("op/s", f"the kernel's MXFP4 dequantization (the chip's unpack) of a [{DEQ_K}, {DEQ_N}] VMEM tile "
-                                f"into bf16, repeated: weights/s x its vector ops per weight"),
+    "dequant_op_rate": ("op/s", f"the kernel's product of a [{DEQ_ROWS}, {DEQ_K}] bf16 LHS with an MXFP4 [{DEQ_K}, "
+                                f"{DEQ_N}] VMEM tile (the chip's unpack, in registers), repeated: weights/s x its "
+                                f"vector ops per weight"),
     "mxu_bf16xfp8_vs_bf16": ("ratio", f"context: a [{DTYPE_ROWS}, K] bf16 x [K, N] float8_e4m3fn matmul's time "
                                       f"over the bf16 one's (the fp8 MXFP4 path's weight push)"),
 }

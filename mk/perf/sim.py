@@ -20,7 +20,8 @@ Two parts:
   earlier than that stream; a collective phase is one transfer on its link; a `pipelined` phase
   (a GPU kernel) ends at max(start + compute, its last byte landed). Phase costs
   (`Machine.costs`): MXU `2 * rows_eff * K * N / peak(dtype)` with `rows_eff = max(round_up(rows, mxu_min_rows), mxu_push_rows)` (decode matmuls
-  are weight-push bound, spec App. B.1), plus in-VMEM dequantization ops at the vector rate; vector
+  are weight-push bound, spec App. B.1), plus MXFP4 unpack ops at the measured `dequant_op_rate`
+  (on the bf16 path they feed the MXU as they go: only their time beyond the MXU's counts); vector
   phases `max(ops / vector_flops, bytes / vector_bw)`; a named fixed cost (routing, spec App. B.6).
 
 The DMA issue rules (`_Issuer`): DMA i may be issued when every DMA before it has been, its slot is
@@ -72,7 +73,7 @@ class Machine:
     mxu_push_rows: int = 1
     vector_flops: float = 1e13
     vector_bw: float = 1e13
-    dequant_op_rate: float | None = None    # in-VMEM MXFP4 dequantization, measured; None: vector_flops
+    dequant_op_rate: float | None = None    # MXFP4 unpack into the MXU, measured; None: vector_flops
     links: dict = dataclasses.field(default_factory=lambda: {"ici": (0.0, 1e11)})   # link -> (latency, bw)
     launch_gap: float = 0.0
     step_overhead: float = 0.0
@@ -116,8 +117,9 @@ class Machine:
             rows = max(int(ph.rows or 0), 1)
             rows_eff = max(-(-rows // self.mxu_min_rows) * self.mxu_min_rows, self.mxu_push_rows)
             out["mxu"] = float(ph.flops) * rows_eff / rows / self.peak(ph.dtype or "bf16")
-            if ph.vector_ops:
-                out["dequant"] = float(ph.vector_ops) / (self.dequant_op_rate or self.vector_flops)
+            if ph.vector_ops:     # MXFP4: the unpack's ops; on the bf16 path they feed the MXU as they go
+                dequant = float(ph.vector_ops) / (self.dequant_op_rate or self.vector_flops)
+                out["dequant"] = max(dequant - out["mxu"], 0.0) if ph.dtype == "bf16" else dequant
         elif ph.kind == "vector":
             out["vector"] = max(float(ph.flops) / self.vector_flops, float(ph.vector_bytes or 0) / self.vector_bw)
         elif ph.kind != "collective":
