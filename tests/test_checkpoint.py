@@ -109,6 +109,7 @@ def test_lazy_params_read_the_bits_load_returns(ckpt, experts):
         w2 = lazy["moe"]["w2"]["scale"] if experts == "mxfp4" else lazy["moe"]["w2"]
         x2 = tree["moe"]["w2"]["scale"] if experts == "mxfp4" else tree["moe"]["w2"]
         assert _bits(w2[1]) == _bits(x2[1]) and _bits(w2[1, 3]) == _bits(x2[1, 3])
+        assert _bits(w2[1, 2:5]) == _bits(x2[1, 2:5]) and _bits(w2[:2, 7]) == _bits(x2[:2, 7])
         assert _bits(lazy["kda"]["conv"][0, 2]) == _bits(tree["kda"]["conv"][0, 2])
         with pytest.raises(IndexError, match="moe"):
             w2[CFG.n_moe]
@@ -128,6 +129,27 @@ def test_kernel_weights_packed_from_lazy_params_are_the_loaded_trees(ckpt):
     for k in want:
         assert _bits(got[k]) == _bits(want[k]), k
         assert got[k].ctypes.data % 64 == 0, k
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "bf16"])
+def test_weights_streamed_to_a_device_piece_by_piece_are_pack_weights(ckpt, experts, monkeypatch):
+    """`device_share(..., stream=True)`, the path onto a TPU (each array allocated on the device,
+    then filled piece by piece as packed), from lazy params, experts in chunks of 3 (16 = 5 x 3 + 1):
+    pack_weights' bits (one chunk per layer), both expert formats."""
+    from mk.kernel import packing
+    from mk.kernel.plan import make_plan
+    from mk.kernel.step import device_share
+
+    plan = make_plan(CFG, 1, experts=experts)
+    want = packing.pack_weights(plan, ck.load(ckpt[0], experts="mxfp4", progress=False, to_jax=False))
+    kn = max(m.k_pad * m.n_pad for m in (plan.expert_gu, plan.expert_down))
+    monkeypatch.setattr(packing, "EXPERT_CHUNK_BYTES", 3 * kn * (2 if experts == "bf16" else 1))
+    assert [x.stop - x.start for x in packing._expert_chunks(plan, 2 if experts == "bf16" else 1)] == [3] * 5 + [1]
+    with ck.Checkpoint(ckpt[0]) as c:
+        got = device_share(plan, c.lazy_params("mxfp4"), 0, jax.devices()[0], stream=True)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert _bits(got[k]) == _bits(want[k]), k
 
 
 def test_abstract_params_from_config_only(ckpt, tmp_path):
@@ -201,6 +223,33 @@ def test_synth_and_load_cli(tmp_path, capsys):
     assert_same_tree(ck.load(out, progress=False), synth.quantized_params(cfg, 3))
 
 
+def test_fast_synth_writes_a_checkpoint_the_kernel_packs(ckpt, tmp_path):
+    """`mk synth --fast` (random tensors in the checkpoint's layout, shards in parallel): the same files,
+    tensors and bytes as `write_checkpoint`'s, weights that validate and load, E8M0 scales the kernel
+    dequantizes exactly, every family near `init`'s scale; the same bits whatever the thread count."""
+    from mk.kernel.plan import make_plan
+    from mk.kernel.packing import pack_weights
+    from mk.model.params import init
+
+    outs = [tmp_path / f"fast{t}" for t in (1, 3)]
+    for out, t in zip(outs, (1, 3)):
+        assert main(["synth", "--config", "mini", "--fast", "--threads", str(t), "--out", str(out), "--seed", "3",
+                     "--shard-mb", "4", "--no-progress"]) == 0
+    assert sorted(os.listdir(outs[0])) == sorted(os.listdir(ckpt[0]))
+    with open(os.path.join(outs[0], schema.INDEX_FILE)) as a, open(os.path.join(ckpt[0], schema.INDEX_FILE)) as b:
+        assert a.read() == b.read()
+    assert ck.checkpoint_bytes(outs[0]) == ck.checkpoint_bytes(ckpt[0])
+    for f in os.listdir(outs[0]):
+        with open(outs[0] / f, "rb") as a, open(outs[1] / f, "rb") as b:
+            assert a.read() == b.read(), f
+    tree = ck.load(outs[0], progress=False, to_jax=False)
+    pack_weights(make_plan(CFG, 1, experts="mxfp4"), ck.load(outs[0], experts="mxfp4", progress=False))
+    ref = init(CFG, 3)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(ref)):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert np.isfinite(x).all() and 0.6 < np.sqrt(np.mean(x ** 2) / np.mean(y ** 2)) < 1.6, jax.tree_util.keystr(path)
+
+
 def test_bad_override_exits_2(tmp_path, capsys):
     assert main(["synth", "--override", "layers=2", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
@@ -239,6 +288,7 @@ def test_logits_bench_prints_peak_rss_against_the_checkpoint(ckpt, tmp_path, mon
     assert set(kinds) == {"VmRSS", "RssAnon", "RssFile", "RssShmem"}
     assert 0 < kinds["RssAnon"] <= kinds["VmRSS"] <= res["peak_rss_bytes"] * 1.01
     assert res["peak_rss_anon_over_checkpoint"] == kinds["RssAnon"] / res["checkpoint_bytes"]
+    assert res["device_peak_bytes"] is None and res["device_limit_bytes"] is None   # a CPU has no device memory
 
 
 def test_rss_sampler_sees_a_short_lived_peak():

@@ -1,7 +1,7 @@
 """Checkpoint commands: `synth` (write a synthetic checkpoint), `logits` (teacher-forced logits of a
 checkpoint), `load` (load it, optionally benchmarking against a raw sequential read).
 
-    python -m mk synth --config mini [--override dim=1024,layers=16] --out DIR [--seed N] [--shard-mb M]
+    python -m mk synth --config mini [--override dim=1024,layers=16] --out DIR [--seed N] [--shard-mb M] [--fast]
     python -m mk logits --checkpoint DIR --tokens 5,17,3 --out FILE.npy [--backend reference|kernel]
     python -m mk load DIR [--experts bf16|mxfp4] [--bench] [--json]
 
@@ -57,7 +57,7 @@ def resolve_config(name: str, overrides=()):
 
 def _synth(args) -> int:
     from mk.io.checkpoint import checkpoint_bytes
-    from mk.io.synth import write_checkpoint
+    from mk.io.synth import write_checkpoint, write_random_checkpoint
 
     cfg = resolve_config(args.config, args.override)
     creatable_dir(args.out, "--out")
@@ -69,8 +69,12 @@ def _synth(args) -> int:
         print(f"wrote drafter {args.out} in {time.perf_counter() - t:.1f} s (hidden={dcfg.hidden}, "
               f"layers={dcfg.layers}, aux layers={list(dcfg.aux_layers)}, vocab={dcfg.vocab})")
         return 0
-    write_checkpoint(cfg, args.out, seed=args.seed, shard_bytes=int(args.shard_mb * (1 << 20)),
-                     progress=on_terminal(not args.no_progress))
+    shard_bytes, show = int(args.shard_mb * (1 << 20)), on_terminal(not args.no_progress)
+    if args.fast:
+        write_random_checkpoint(cfg, args.out, seed=args.seed, shard_bytes=shard_bytes, threads=args.threads,
+                                progress=show)
+    else:
+        write_checkpoint(cfg, args.out, seed=args.seed, shard_bytes=shard_bytes, progress=show)
     n = checkpoint_bytes(args.out)
     print(f"wrote {args.out}: {n / 1e9:.3f} GB in {time.perf_counter() - t:.1f} s "
           f"(dim={cfg.dim}, layers={cfg.layers}, experts={cfg.experts}, vocab={cfg.vocab})")
@@ -100,14 +104,16 @@ def _logits(args) -> int:
         from mk.io.checkpoint import checkpoint_bytes
         n, peak = checkpoint_bytes(args.checkpoint), peak_rss_bytes()
         anon = sampler.peaks.get("RssAnon")
+        device = device_memory()
         res = {"checkpoint": args.checkpoint, "backend": args.backend, "checkpoint_bytes": n,
                "peak_rss_bytes": peak, "peak_rss_over_checkpoint": peak / n, "rss_before_bytes": rss0,
                "peak_rss_by_kind": sampler.peaks, "peak_rss_anon_over_checkpoint": anon / n if anon else None,
+               "device_peak_bytes": device.get("peak_bytes_in_use"), "device_limit_bytes": device.get("bytes_limit"),
                "seconds": time.perf_counter() - t0,
                "measured": "getrusage ru_maxrss of this process (load + pack + run), this host; by kind: "
                            f"/proc/self/status sampled every {sampler.interval * 1e3:.0f} ms (anonymous: the "
                            "process's own heap and maps; file and shmem: mapped files and shared memory, "
-                           "e.g. a TPU runtime's)"}
+                           "e.g. a TPU runtime's); device: memory_stats() of the first device (none on a CPU)"}
         print(json.dumps(res) if args.json else
               f"peak RSS {peak / 1e9:.3f} GB = {peak / n:.2f}x the checkpoint's {n / 1e9:.3f} GB on disk "
               f"({args.backend} backend, {res['seconds']:.1f} s)")
@@ -278,6 +284,13 @@ class RssSampler:
         return False
 
 
+def device_memory() -> dict:
+    """The first device's memory statistics (`memory_stats()`: peak_bytes_in_use, bytes_limit, ...; {}
+    where there are none, e.g. on a CPU)."""
+    import jax
+    return jax.devices()[0].memory_stats() or {}
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set so far (getrusage ru_maxrss; Linux counts KiB)."""
     import resource
@@ -393,6 +406,11 @@ def add_parser(subparsers):
     p.add_argument("--drafter", action="store_true",
                    help="write a random drafter checkpoint for the config (mk.model.drafter) instead of the model")
     p.add_argument("--shard-mb", type=positive_float, default=256.0, help="maximum shard size in MiB")
+    p.add_argument("--fast", action="store_true",
+                   help="random weights drawn tensor by tensor in the checkpoint's layout, shards in parallel "
+                        "(mk.io.synth.write_random_checkpoint): seconds per GB instead of minutes, for big "
+                        "checkpoints; not the weights of mk.model.params.init")
+    p.add_argument("--threads", type=positive_int, default=None, help="--fast: threads (default: one per CPU)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 

@@ -41,15 +41,19 @@ several times faster than numpy's strided copy), and a `ShardStreamer` thread re
 into the page cache ahead of the conversion (cold loads overlap storage reads with conversion).
 Benchmark: `python -m mk load DIR --bench [--cold] --json`.
 
-Every read goes through `Checkpoint.read(name, rows=..., cols=...)`, which uses safetensors'
-memory-mapped `get_slice`, so a tensor/expert-parallel loader can fetch only the byte ranges one
-rank needs.
+Every read goes through `Checkpoint.read(name, rows=..., cols=...)` (or `read_into`), so a
+tensor/expert-parallel loader can fetch only the byte ranges one rank needs: whole tensors and row
+ranges by `preadv`, column ranges through safetensors' memory-mapped `get_slice`. Shards are not
+kept mapped otherwise (safetensors checks each header, then the file is closed): a mapped file's
+pages count in the process's resident set (in a gVisor sandbox, such as the lent TPU VM, all of
+them from the start).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import gc
 import dataclasses
+import itertools
 import json
 import os
 import threading
@@ -136,6 +140,9 @@ class Checkpoint:
         return shard
 
     def _handle(self, shard: str):
+        """safetensors' handle on a shard (a memory map of the whole file), opened on first use and
+        kept open, for the reads that go through it: column ranges (`ShardedCheckpoint`) and dtypes
+        numpy lacks. Validation and every other read leave the shards unmapped (`_spans`, `read`)."""
         h = self._handles.get(shard)
         if h is not None:
             return h
@@ -167,13 +174,11 @@ class Checkpoint:
     def tensor_info(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype string) of a tensor, from its shard's header."""
         shard = self._shard_of(name)
-        h = self._handle(shard)
-        try:
-            sl = h.get_slice(name)
-        except Exception:  # safetensors raises SafetensorError for unknown names
+        span = self._spans(shard).get(name)
+        if span is None:
             raise MissingTensorError(f"{os.path.join(self.path, shard)}: tensor '{name}' is not in this "
-                                     f"shard (though {INDEX_FILE} says it is)") from None
-        return tuple(sl.get_shape()), sl.get_dtype()
+                                     f"shard (though {INDEX_FILE} says it is)")
+        return span[1], span[0]
 
     def check(self, src: Source):
         shape, dtype = self.tensor_info(src.name)
@@ -186,26 +191,68 @@ class Checkpoint:
                                    f"{list(src.shape)}")
 
     def read(self, name: str, rows: "slice | None" = None, cols: "slice | None" = None) -> np.ndarray:
-        """A tensor, or `[rows]` / `[rows, cols]` of it, as numpy (only those bytes are copied)."""
-        h = self._handle(self._shard_of(name))
+        """A tensor, or `[rows]` / `[rows, cols]` of it, as numpy (only those bytes are copied).
+        A whole tensor or a range of rows is one `preadv` into a fresh array: the shard is not mapped
+        into this process, so its pages do not stay in the process's resident set (those of a memory
+        map stay until it is closed; in a gVisor sandbox, as on the lent TPU VM, a mapped shard counts
+        whole from the start: +1x the checkpoint). Column ranges go through safetensors (`_handle`)."""
+        shard = self._shard_of(name)
+        span = self._row_span(shard, name, rows) if cols is None else None
+        if span is not None:
+            dtype, shape, off = span
+            out = aligned_empty(shape, dtype)
+            self._pread(name, shard, off, memoryview(out.reshape(-1).view(np.uint8)))
+            return out
+        h = self._handle(shard)
         if rows is None and cols is None:
             return h.get_tensor(name)
         sl = h.get_slice(name)
         key = (rows if rows is not None else slice(None),) + ((cols,) if cols is not None else ())
         return sl[key]
 
+    def _row_span(self, shard: str, name: str, rows: "slice | None"):
+        """(numpy dtype, shape, absolute byte offset) of `name[rows]` (all of it for None) where one
+        contiguous read gives it: a unit-step row range of a tensor of a known dtype; else None."""
+        span = self._spans(shard).get(name)
+        if span is None or _NP_DTYPES.get(span[0]) is None or not hasattr(os, "preadv"):
+            return None                                   # (safetensors names what is wrong)
+        dt, shape, off = _NP_DTYPES[span[0]], span[1], span[2]
+        if rows is None:
+            return dt, shape, off
+        if not shape:
+            return None
+        start, stop, step = rows.indices(shape[0])
+        if step != 1:
+            return None
+        row = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize
+        return dt, (max(0, stop - start),) + shape[1:], off + start * row
+
+    def _pread(self, name: str, shard: str, off: int, view: memoryview):
+        """Fill `view` with the shard's bytes from `off` on (bytes of tensor `name`)."""
+        fd, done, n = self._fd(shard), 0, len(view)
+        while done < n:
+            got = os.preadv(fd, [view[done:]], off + done)
+            if got <= 0:
+                raise TruncatedShardError(f"{self.file_of(name)}: truncated shard: tensor '{name}' "
+                                          f"reaches byte {off + n}, the file ends before")
+            done += got
+
     def file_of(self, name: str) -> str:
         return os.path.join(self.path, self.weight_map[name])
 
     def _spans(self, shard: str) -> dict:
-        """{tensor: (dtype string, absolute byte offset, byte count)} of a shard, from its header
-        (`_handle` has already checked that the header parses and the data covers it)."""
+        """{tensor: (dtype string, shape, absolute byte offset, byte count)} of a shard, from its
+        header. The first call checks the shard: safetensors opens it (its header parses, its data
+        covers what the header says; else a CheckpointError naming the file) and closes it again."""
         spans = self._span_cache.get(shard)
         if spans is None:
+            if shard not in self._handles:
+                self._open(shard).__exit__(None, None, None)
             with open(os.path.join(self.path, shard), "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
                 header = json.loads(fh.read(n))
-            spans = {k: (v["dtype"], 8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+            spans = {k: (v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0],
+                         v["data_offsets"][1] - v["data_offsets"][0])
                      for k, v in header.items() if k != "__metadata__"}
             with self._lock:
                 self._span_cache[shard] = spans
@@ -224,8 +271,7 @@ class Checkpoint:
         """(shard, byte offset, byte count) of tensor `name` when its stored bytes are `dst`'s
         bytes (same dtype and size, `dst` C-contiguous), so one read fills it; else None."""
         shard = self._shard_of(name)
-        self._handle(shard)                                   # header / size checks, once
-        dtype, off, n = self._spans(shard)[name]
+        dtype, _, off, n = self._spans(shard)[name]
         if (_NP_DTYPES.get(dtype) != dst.dtype or n != dst.nbytes or not dst.flags.c_contiguous
                 or not hasattr(os, "preadv")):
             return None
@@ -238,15 +284,8 @@ class Checkpoint:
         span = self._direct_span(name, dst)
         if span is None:
             return False
-        shard, off, n = span
-        view = memoryview(dst.reshape(-1).view(np.uint8))
-        fd, done = self._fd(shard), 0
-        while done < n:
-            got = os.preadv(fd, [view[done:]], off + done)
-            if got <= 0:
-                raise TruncatedShardError(f"{self.file_of(name)}: truncated shard: tensor '{name}' "
-                                          f"ends at byte {off + n}, the file ends before")
-            done += got
+        shard, off, _ = span
+        self._pread(name, shard, off, memoryview(dst.reshape(-1).view(np.uint8)))
         return True
 
     def _read_run(self, run: "Sequence[_Read]"):
@@ -282,7 +321,7 @@ class Checkpoint:
     def validate(self, entries: "Iterable[Entry] | None" = None):
         """Check every needed tensor exists with the right shape and dtype (reads headers only)."""
         for shard in sorted(set(self.weight_map.values())):
-            self._handle(shard)  # header and file-size check of every referenced shard
+            self._spans(shard)  # header and file-size check of every referenced shard
         for entry in layout(self.cfg) if entries is None else entries:
             for src in entry.sources:
                 self.check(src)
@@ -452,25 +491,34 @@ class Checkpoint:
 
 
 class LazyLeaf:
-    """One array of `Checkpoint.lazy_params`: `leaf[i]` / `leaf[i, j]` (leading integer indices)
-    reads that slot now, as a fresh numpy array of shape `shape[n_indices:]`; `np.asarray(leaf)`
-    reads all of it. Same bits as `load`'s array (same fill code)."""
+    """One array of `Checkpoint.lazy_params`: `leaf[i]`, `leaf[i, j]`, `leaf[i, a:b]` (leading
+    indices over the slots: integers, or unit-step slices) reads those slots now, as a fresh numpy
+    array (`leaf[i, a:b]`: shape (b - a,) + shape[2:]); `np.asarray(leaf)` reads all of it. Same
+    bits as `load`'s array (same fill code)."""
 
     def __init__(self, ck: Checkpoint, entries: "Sequence[Entry]", shape, dtype, sub: "str | None"):
         self.ck, self.entries, self.sub = ck, list(entries), sub
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.ndim = len(self.shape)
+        self.slots = {e.index: e for e in self.entries}     # slot index -> the entry that fills it
 
     def __getitem__(self, idx) -> np.ndarray:
-        idx = tuple(int(i) for i in (idx if isinstance(idx, tuple) else (idx,)))
-        n = len(idx)
-        if n > len(self.entries[0].index) or any(not 0 <= i < d for i, d in zip(idx, self.shape)):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        lead = len(self.entries[0].index)
+        sel = []                                   # per slot axis: an int, or a range of slots
+        for i, d in zip(idx, self.shape):
+            if isinstance(i, slice):
+                start, stop, step = i.indices(d)
+                sel.append(range(start, max(start, stop)) if step == 1 else None)
+            else:
+                sel.append(int(i) if 0 <= int(i) < d else None)
+        if len(idx) > lead or None in sel:
             raise IndexError(f"{self.entries[0].dest}: index {idx} of a lazy leaf of shape {self.shape}")
-        out = aligned_empty(self.shape[n:], self.dtype)
-        for e in self.entries:
-            if e.index[:n] == idx:
-                rest = e.index[n:]
-                self.ck._fill_slot(out[rest] if rest else out, e, self.sub)
+        sel += [range(d) for d in self.shape[len(idx):lead]]
+        out = aligned_empty(tuple(len(r) for r in sel if isinstance(r, range)) + self.shape[lead:], self.dtype)
+        for index in itertools.product(*(r if isinstance(r, range) else (r,) for r in sel)):
+            at = tuple(j - r.start for j, r in zip(index, sel) if isinstance(r, range))
+            self.ck._fill_slot(out[at] if at else out, self.slots[index], self.sub)
         return out
 
     def __array__(self, dtype=None, copy=None):

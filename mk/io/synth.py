@@ -122,7 +122,11 @@ def _tensors(entry: Entry, params: dict, q: dict) -> dict[str, np.ndarray]:
     fam = params
     for k in entry.dest:
         fam = fam[k]
-    x = np.asarray(fam[entry.index] if entry.index else fam)
+    return _slot_tensors(entry, np.asarray(fam[entry.index] if entry.index else fam))
+
+
+def _slot_tensors(entry: Entry, x: np.ndarray) -> dict[str, np.ndarray]:
+    """The checkpoint tensor(s) of a (not MXFP4) layout entry whose tree slot holds `x`."""
     src = entry.sources[0]
     dt = _NP_DTYPES[src.dtypes[0]]
     if entry.kind == "copy":
@@ -164,6 +168,19 @@ def write_checkpoint(cfg: K3Config, out_dir, seed: int = 0, params: dict | None 
     qparams, q = _quantize_tree(cfg, seed, params)
     base = params if params is not None else qparams  # non-expert leaves are identical in both
 
+    shards = _shards(entries, shard_bytes)
+    for i, group in enumerate(tqdm(shards, desc="writing shards", disable=not progress, leave=False)):
+        tensors = {}
+        for e in group:
+            tensors.update(_tensors(e, base, q))
+        save_file(tensors, os.path.join(out_dir, _shard_name(i, len(shards))), metadata={"format": "pt"})
+        del tensors
+    _write_index_and_config(cfg, out_dir, shards, tokenizer)
+    return qparams
+
+
+def _shards(entries: "list[Entry]", shard_bytes: int) -> list[list[Entry]]:
+    """Layout entries cut into shards of at most `shard_bytes` (a bigger entry alone in its own)."""
     shards: list[list[Entry]] = [[]]
     size = 0
     for e in entries:
@@ -173,25 +190,79 @@ def write_checkpoint(cfg: K3Config, out_dir, seed: int = 0, params: dict | None 
             size = 0
         shards[-1].append(e)
         size += b
-    n = len(shards)
-    weight_map, total = {}, 0
-    for i, group in enumerate(tqdm(shards, desc="writing shards", disable=not progress, leave=False)):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tensors = {}
-        for e in group:
-            tensors.update(_tensors(e, base, q))
-        for name, t in tensors.items():
-            weight_map[name] = fname
-            total += t.nbytes
-        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        del tensors
+    return shards
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _write_index_and_config(cfg: K3Config, out_dir: str, shards: "list[list[Entry]]", tokenizer: bool):
+    weight_map = {src.name: _shard_name(i, len(shards)) for i, group in enumerate(shards) for e in group
+                  for src in e.sources}
+    total = sum(_entry_bytes(e) for group in shards for e in group)
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(cfg.to_hf(), f, indent=2)
     if tokenizer:
         write_tokenizer(out_dir, cfg.vocab)
-    return qparams
+
+
+def write_random_checkpoint(cfg: K3Config, out_dir, seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                            threads: int | None = None, progress: bool = False, tokenizer: bool = True):
+    """Write a checkpoint of random weights drawn tensor by tensor in the checkpoint's own layout, for
+    checkpoints too big for `write_checkpoint` (whose `init` + MXFP4 quantization took ~190 s for
+    1.36 GB on a TPU VM's host): here no parameter tree is built and nothing is quantized. The
+    weights are valid but not `write_checkpoint`'s (nothing reproduces them): routed experts
+    uniformly random E2M1 code bytes with E8M0 scales as `mk.model.params.init_fast(...,
+    experts="mxfp4")` draws them (`init`'s std within a factor 2); bf16 matrices random bits: random
+    sign and mantissa, one exponent per tensor that gives `init`'s std within a factor 1.5 (numpy's
+    normal draw is ~10x slower); the rest (embedding, norms, conv taps, decays, router biases) drawn
+    as `init` draws them (`mk.model.params.draw`). Shards are drawn and written by `threads` threads
+    (default: one per CPU); deterministic in (cfg, seed, shard_bytes)."""
+    import concurrent.futures
+    from safetensors.numpy import save_file
+    from tqdm.auto import tqdm
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    shards = _shards(layout(cfg), shard_bytes)
+
+    def write(i: int):
+        rng = np.random.default_rng([seed, i])
+        tensors = {}
+        for e in shards[i]:
+            tensors.update(_random_tensors(cfg, e, rng))
+        save_file(tensors, os.path.join(out_dir, _shard_name(i, len(shards))), metadata={"format": "pt"})
+
+    with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool, \
+            tqdm(total=len(shards), desc="writing shards", disable=not progress, leave=False) as bar:
+        for fut in concurrent.futures.as_completed([pool.submit(write, i) for i in range(len(shards))]):
+            fut.result()
+            bar.update(1)
+    _write_index_and_config(cfg, out_dir, shards, tokenizer)
+
+
+def _random_tensors(cfg: K3Config, entry: Entry, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random checkpoint tensor(s) of one layout entry (see `write_random_checkpoint`)."""
+    from mk.model.params import _E2M1_RMS, _family, draw
+
+    src = entry.sources[0]
+    if entry.kind == "mxfp4":                          # packed [N, K/2], scale [N, K/32]
+        (n, half), ssrc = src.shape, entry.sources[1]
+        std = _family(cfg, entry.dest, (2 * half, n))[1]
+        byte = int(round(np.log2(std / _E2M1_RMS))) + 127
+        return {src.name: rng.integers(0, 256, src.shape, dtype=np.uint8),
+                ssrc.name: (byte - rng.integers(0, 2, ssrc.shape, dtype=np.uint8)).astype(np.uint8)}
+    if entry.kind == "T":                              # a bf16 matrix [out, in]
+        std = _family(cfg, entry.dest, src.shape[::-1])[1]
+        bits = rng.integers(0, 1 << 16, src.shape, dtype=np.uint16)
+        bits &= 0x807F                                 # sign and mantissa; |x| in [2^p, 2^(p+1)): RMS 1.53 * 2^p
+        bits |= np.uint16((int(round(np.log2(std / 1.53))) + 127) << 7)
+        return {src.name: bits.view(BF16)}
+    slot = (src.shape[2], src.shape[0]) if entry.kind == "conv" else src.shape   # tree orientation ([HD, 1, C] -> [C, HD])
+    return _slot_tensors(entry, draw(cfg, entry.dest, (1,) + slot, rng)[0])
 
 
 # ---- tokenizer files ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from mk.kernel.plan import CODES_PER_WORD, SCALES_PER_WORD, Matrix, Plan, PlanEr
 # e = 1 makes 0.5 * 2^-126 subnormal, e >= 253 makes 4 * 2^126 overflow.
 KERNEL_SCALE_RANGE = (2, 252)
 BF16 = np.dtype(ml_dtypes.bfloat16)
+EXPERT_CHUNK_BYTES = 16 << 20   # experts packed at a time: about this many bytes of [K, N] matrices
 
 
 def _dense_matrix(params: dict, cfg: K3Config, m: Matrix, layer: int, latent_offset: int = 0) -> np.ndarray:
@@ -53,15 +54,12 @@ def _bf16(w) -> np.ndarray:
     return w if w.dtype == BF16 else w.astype(BF16)
 
 
-def tile_matrix(w: np.ndarray, tk: int, tn: int, out: np.ndarray | None = None) -> np.ndarray:
-    """[k_pad, n_pad] -> [n_tiles * k_tiles, tk, tn], column block major (the stream order);
-    written into `out` (one copy) when given."""
-    kt, nt = w.shape[0] // tk, w.shape[1] // tn
-    t = w.reshape(kt, tk, nt, tn).transpose(2, 0, 1, 3)
-    if out is None:
-        return t.reshape(nt * kt, tk, tn)
-    out.reshape(nt, kt, tk, tn)[...] = t
-    return out
+def tile_matrix(w: np.ndarray, tk: int, tn: int) -> np.ndarray:
+    """[..., k_pad, n_pad] -> [..., n_tiles * k_tiles, tk, tn], column block major (the stream order)."""
+    *lead, k, n = w.shape
+    kt, nt = k // tk, n // tn
+    t = np.moveaxis(w.reshape(*lead, kt, tk, nt, tn), -2, -4)      # [..., nt, kt, tk, tn]
+    return t.reshape(*lead, nt * kt, tk, tn)
 
 
 def to_latent_blocks(x: np.ndarray, plan: Plan, axis: int) -> np.ndarray:
@@ -89,7 +87,32 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
     MXFP4 experts come from `mk.io.checkpoint.load(..., experts="mxfp4")`'s tree and stay packed; bf16
     experts may come from either tree (MXFP4 ones are dequantized).
     `params` is the whole model (mk.model.params layout); `mk.model.sharding.local_params` cuts the share.
+    The arrays are 64-byte aligned (`aligned_empty`: handed to JAX without a copy on CPU), filled from
+    `pack_pieces`, which `mk.kernel.step.kernel_weights` streams to the device instead.
     """
+    from mk.io.convert import aligned_empty
+    from mk.kernel.aot import kernel_weight_shapes
+
+    out = {k: aligned_empty(shape, dtype) for k, (shape, dtype) in kernel_weight_shapes(plan).items()
+           if k != "embed"}
+    for name, start, block in pack_pieces(plan, params, rank):
+        out[name][piece_index(start, block.shape)] = block
+    return out
+
+
+def piece_index(start, shape) -> tuple[slice, ...]:
+    """The slices of the array a `pack_pieces` block fills: [start[i], start[i] + shape[i]) per axis."""
+    return tuple(slice(a, a + n) for a, n in zip(start, shape))
+
+
+def pack_pieces(plan: Plan, params: dict, rank: int = 0):
+    """`pack_weights`'s arrays for rank `rank`, as pieces in the order they are packed: yields
+    (name, start, block), `block` a numpy array of the array's rank that goes at index `start`
+    (one int per axis; `piece_index`, or `lax.dynamic_update_slice`). A piece is one dense
+    matrix's tiles [n, tile_k, tile_n], the vector table, or one chunk of one MoE layer's experts
+    (about EXPERT_CHUNK_BYTES of [K, N] codes or bf16 weights; [1, n, tiles, rows, tile_n], the
+    [w1|w3] and the w2 tiles apart). Only one piece and the parameters it is cut from (read
+    expert chunk by expert chunk from a `lazy_params` tree) are held at a time."""
     from mk.model.sharding import local_params
 
     cfg = plan.config
@@ -97,60 +120,56 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0) -> dict:
         raise PlanError(f"rank {rank} outside the plan's {plan.devices} devices")
     if not plan.layout.single:
         params = local_params(params, plan.layout, rank)
-    from mk.io.convert import aligned_empty
-
-    # every matrix is tiled straight into its rows of the final array (no list of float32 tiles)
-    tiles = aligned_empty((plan.dense_tiles, plan.tile_k, plan.tile_n), BF16)
     off, at = plan.latent_offsets[rank], 0
     for s in plan.streams:
         for m in s.pre + s.post:
-            w = _dense_matrix(params, cfg, m, s.layer, off)
-            n = (w.shape[0] // plan.tile_k) * (w.shape[1] // plan.tile_n)
-            tile_matrix(w, plan.tile_k, plan.tile_n, out=tiles[at:at + n])
-            at += n
+            t = tile_matrix(_dense_matrix(params, cfg, m, s.layer, off), plan.tile_k, plan.tile_n)
+            yield "tiles", (at, 0, 0), t
+            at += t.shape[0]
     assert at == plan.dense_tiles, (at, plan.dense_tiles)
-
-    out = {"tiles": tiles, "vectors": pack_vectors(plan, params, rank)}
-    if plan.experts == "mxfp4":
-        out.update(_pack_mxfp4_experts(plan, params))
-    else:
-        out["experts"] = _pack_bf16_experts(plan, params)
-    return out
+    yield "vectors", (0, 0, 0), pack_vectors(plan, params, rank)
+    yield from (_pack_mxfp4_experts if plan.experts == "mxfp4" else _pack_bf16_experts)(plan, params)
 
 
-def _expert_family(params: dict, key: str):
-    """params["moe"][key] as bf16-valued [n_moe, E, K, N] (an MXFP4 leaf is dequantized)."""
-    w = params["moe"][key]
-    if isinstance(w, dict):
-        from mk.io.convert import dequantize_mxfp4
-        return dequantize_mxfp4(w["packed"], w["scale"])
-    return w
+def _expert_chunks(plan: Plan, elem_bytes: int) -> list[slice]:
+    """Local experts in chunks of about EXPERT_CHUNK_BYTES of one [K, N] matrix each (elements of
+    `elem_bytes` bytes), the larger of the gate/up and down matrices."""
+    gu, dn, E = plan.expert_gu, plan.expert_down, plan.local_experts
+    n = max(1, EXPERT_CHUNK_BYTES // (max(gu.k_pad * gu.n_pad, dn.k_pad * dn.n_pad) * elem_bytes))
+    return [slice(e, min(E, e + n)) for e in range(0, E, n)]
 
 
-def _pack_bf16_experts(plan: Plan, params: dict) -> np.ndarray:
+def _pack_bf16_experts(plan: Plan, params: dict):
+    """Rank's share of the routed experts (bf16 or MXFP4 leaves, already cut to this rank) ->
+    `experts` pieces [1, n, tiles, tile_k, tile_n] bf16, chunk by chunk (`pack_pieces`)."""
     cfg = plan.config
-    E = plan.local_experts
-    from mk.io.convert import aligned_empty
-    experts = aligned_empty((cfg.n_moe, E, plan.expert_tiles, plan.tile_k, plan.tile_n), BF16)
     gu, dn = plan.expert_gu, plan.expert_down
     fe = cfg.expert_hidden // plan.layout.tp_expert
     tk, tn = plan.tile_k, plan.tile_n
-    a = np.zeros((gu.k_pad, gu.n_pad), BF16)             # [K, N] of one expert, reused: only the
-    b = np.zeros((dn.k_pad, dn.n_pad), BF16)             # parts are rewritten, the padding stays 0
     per = cfg.latent // plan.devices                     # rank j's latent slice, at lane offs[j] of block j
     blocks = [(j * plan.latent_block + plan.latent_offsets[j], j * per) for j in range(plan.devices)]
-    w1f, w3f, w2f = (_expert_family(params, k) for k in ("w1", "w3", "w2"))   # [n_moe, E, K, N]
     for i in range(cfg.n_moe):
-        w1, w3, w2 = (_bf16(f[i]) for f in (w1f, w3f, w2f))
-        for e in range(E):
-            for j, (dst, src) in enumerate(blocks):                             # latent rank blocks
-                for key, w in (("w1", w1[e]), ("w3", w3[e])):                   # [latent, fe]
-                    off = gu.part(key).offset
-                    a[dst:dst + per, off:off + fe] = w[src:src + per]
-                b[:fe, dst:dst + per] = w2[e][:, src:src + per]                  # [fe, latent]
-            tile_matrix(a, tk, tn, out=experts[i, e, :gu.tiles])
-            tile_matrix(b, tk, tn, out=experts[i, e, gu.tiles:])
-    return experts
+        for ex in _expert_chunks(plan, BF16.itemsize):
+            w1, w3, w2 = (_expert_weights(params, k, i, ex) for k in ("w1", "w3", "w2"))   # [n, K, N]
+            n = ex.stop - ex.start
+            a = np.zeros((n, gu.k_pad, gu.n_pad), BF16)
+            b = np.zeros((n, dn.k_pad, dn.n_pad), BF16)
+            for dst, src in blocks:                                             # latent rank blocks
+                for key, w in (("w1", w1), ("w3", w3)):                         # [n, latent, fe]
+                    o = gu.part(key).offset
+                    a[:, dst:dst + per, o:o + fe] = w[:, src:src + per]
+                b[:, :fe, dst:dst + per] = w2[:, :, src:src + per]               # [n, fe, latent]
+            yield "experts", (i, ex.start, 0, 0, 0), tile_matrix(a, tk, tn)[None]
+            yield "experts", (i, ex.start, gu.tiles, 0, 0), tile_matrix(b, tk, tn)[None]
+
+
+def _expert_weights(params: dict, key: str, layer: int, ex: slice) -> np.ndarray:
+    """params["moe"][key][layer, ex] as bf16 [n, K, N] (MXFP4 leaves dequantized)."""
+    w = params["moe"][key]
+    if isinstance(w, dict):
+        from mk.io.convert import dequantize_mxfp4
+        return dequantize_mxfp4(np.asarray(w["packed"][layer, ex]), np.asarray(w["scale"][layer, ex]))
+    return _bf16(w[layer, ex])
 
 
 # ---- MXFP4 expert tiles -------------------------------------------------------------------------
@@ -162,7 +181,6 @@ def _pack_bf16_experts(plan: Plan, params: dict) -> np.ndarray:
 # with one shift and mask. Padding is code 0 (+0.0) with scale byte 127. The bits are the
 # checkpoint's own; only their positions change.
 MXFP4_PAD_SCALE = 127
-EXPERT_CHUNK_BYTES = 16 << 20   # experts packed at a time: about this many bytes of [K, N] codes
 
 
 def mxfp4_codes_kn(packed: np.ndarray) -> np.ndarray:
@@ -224,22 +242,24 @@ def pairs_nibble(codes: np.ndarray) -> np.ndarray:
     return codes ^ ((codes & 6) == 0).astype(np.uint8)
 
 
-def check_kernel_scales(scale: np.ndarray, what: str):
-    """Refuse E8M0 bytes outside KERNEL_SCALE_RANGE (see there), naming the tensor and index."""
+def check_kernel_scales(scale: np.ndarray, what: str, first=None):
+    """Refuse E8M0 bytes outside KERNEL_SCALE_RANGE (see there), naming the tensor and index (`first`:
+    the index of `scale`'s first element in that tensor, where `scale` is a part of it)."""
     lo, hi = KERNEL_SCALE_RANGE
     s = np.asarray(scale, np.uint8)
     bad = (s < lo) | (s > hi)
     if bad.any():
-        pos = tuple(int(x) for x in np.argwhere(bad)[0])
-        raise PlanError(f"{what}: E8M0 scale byte {int(s[pos])} at {list(pos)} is outside {lo}..{hi}, "
+        at = np.argwhere(bad)[0]
+        pos = [int(x) + int(f) for x, f in zip(at, first or (0,) * s.ndim)]
+        raise PlanError(f"{what}: E8M0 scale byte {int(s[tuple(at)])} at {pos} is outside {lo}..{hi}, "
                         f"where every E2M1 value times the scale is a normal, finite bf16 number; the "
                         f"kernel's in-VMEM dequantization would not be exact (use experts='bf16')")
 
 
-def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
+def _pack_mxfp4_experts(plan: Plan, params: dict):
     """Rank's share of the MXFP4 experts (params["moe"]["w1"/"w3"/"w2"] = {"packed", "scale"} in
-    checkpoint orientation, already cut to this rank) -> expert_codes / expert_scales
-    [n_moe, E_local, expert_tiles, rows, tile_n] int32, never expanded to bf16."""
+    checkpoint orientation, already cut to this rank) -> `expert_codes` / `expert_scales` pieces
+    [1, n, tiles, rows, tile_n] int32, chunk by chunk (`pack_pieces`), never expanded to bf16."""
     cfg = plan.config
     leaves = {k: params["moe"][k] for k in ("w1", "w3", "w2")}
     for k, w in leaves.items():
@@ -248,50 +268,42 @@ def _pack_mxfp4_experts(plan: Plan, params: dict) -> dict:
                             f"'scale'}}, mk.io.checkpoint.load(..., experts='mxfp4')); moe.{k} is a "
                             f"{np.asarray(w).dtype} array")
     gu, dn = plan.expert_gu, plan.expert_down
-    tk, tn, E = plan.tile_k, plan.tile_n, plan.local_experts
+    tk, tn = plan.tile_k, plan.tile_n
     fe = cfg.expert_hidden // plan.layout.tp_expert
     N, lb, per, offs = plan.devices, plan.latent_block, cfg.latent // plan.devices, plan.latent_offsets
-    T = plan.expert_tiles
-    from mk.io.convert import aligned_empty
-
-    codes_out = aligned_empty((cfg.n_moe, E, T, gu.code_rows, tn), np.int32)
-    scales_out = aligned_empty((cfg.n_moe, E, T, gu.scale_rows, tn), np.int32)
     g_lb = lb // MX_GROUP
     # rank j's slice lands at lane offs[j] of block j: padded group j * g_lb + q holds rows of the
     # one source group (j * per - offs[j]) / 32 + q (and zeros), so it takes that group's scale
     blocks = [(j * lb + offs[j], j * per, j * g_lb, (j * per - offs[j]) // MX_GROUP,
                -(-(offs[j] + per) // MX_GROUP)) for j in range(N)]
-    chunk = max(1, EXPERT_CHUNK_BYTES // max(gu.k_pad * gu.n_pad, dn.k_pad * dn.n_pad))   # experts at a time
     for i in range(cfg.n_moe):
-        # this layer's leaves, read once: [E, N, K/2] packed, [E, N, K/32] scale (checkpoint orientation)
-        layer = {k: (leaves[k]["packed"][i], np.asarray(leaves[k]["scale"][i], np.uint8)) for k in ("w1", "w3", "w2")}
-        for k, (_, scale) in layer.items():
-            check_kernel_scales(scale, f"moe.{k} (MoE layer {i + 1})")
-        for e0 in range(0, E, chunk):
-            ex = slice(e0, min(E, e0 + chunk))
+        for ex in _expert_chunks(plan, 1):
+            # this chunk's leaves: [n, N, K/2] packed, [n, N, K/32] scale (checkpoint orientation)
+            chunk = {k: tuple(np.asarray(leaves[k][sub][i, ex], np.uint8) for sub in ("packed", "scale"))
+                     for k in ("w1", "w3", "w2")}
+            for k, (_, scale) in chunk.items():
+                check_kernel_scales(scale, f"moe.{k} (MoE layer {i + 1})", first=(ex.start, 0, 0))
             n = ex.stop - ex.start
             a = np.zeros((n, gu.k_pad, gu.n_pad), np.uint8)                      # [n, K, N] codes
             sa = np.full((n, gu.k_pad // MX_GROUP, gu.n_pad), MXFP4_PAD_SCALE, np.uint8)
             for key in ("w1", "w3"):
-                c = mxfp4_codes_kn(layer[key][0][ex])                              # [n, latent, fe]
-                sc = np.swapaxes(layer[key][1][ex], -1, -2)                       # [n, latent/32, fe]
+                c = mxfp4_codes_kn(chunk[key][0])                                  # [n, latent, fe]
+                sc = np.swapaxes(chunk[key][1], -1, -2)                            # [n, latent/32, fe]
                 off = gu.part(key).offset
                 for dst, src, gdst, gsrc, ng in blocks:                           # latent rank blocks
                     a[:, dst:dst + per, off:off + fe] = c[:, src:src + per]
                     sa[:, gdst:gdst + ng, off:off + fe] = sc[:, gsrc:gsrc + ng]
             b = np.zeros((n, dn.k_pad, dn.n_pad), np.uint8)
             sb = np.full((n, dn.k_pad // MX_GROUP, dn.n_pad), MXFP4_PAD_SCALE, np.uint8)
-            c = mxfp4_codes_kn(layer["w2"][0][ex])                                 # [n, fe, latent]
-            sc = np.swapaxes(layer["w2"][1][ex], -1, -2)                           # [n, fe/32, latent]
+            c = mxfp4_codes_kn(chunk["w2"][0])                                     # [n, fe, latent]
+            sc = np.swapaxes(chunk["w2"][1], -1, -2)                               # [n, fe/32, latent]
             for dst, src, *_ in blocks:
                 b[:, :fe, dst:dst + per] = c[:, :, src:src + per]
                 sb[:, :fe // MX_GROUP, dst:dst + per] = sc[:, :, src:src + per]
-            for m, (cm, sm) in ((gu, (a, sa)), (dn, (b, sb))):
-                t0 = 0 if m is gu else gu.tiles
-                codes_out[i, ex, t0:t0 + m.tiles], scales_out[i, ex, t0:t0 + m.tiles] = \
-                    pack_mxfp4_tiles(cm, sm, tk, tn, plan.mxfp4_unpack)
-        del layer
-    return {"expert_codes": codes_out, "expert_scales": scales_out}
+            for t0, (cm, sm) in ((0, (a, sa)), (gu.tiles, (b, sb))):
+                codes, scales = pack_mxfp4_tiles(cm, sm, tk, tn, plan.mxfp4_unpack)
+                yield "expert_codes", (i, ex.start, t0, 0, 0), codes[None]
+                yield "expert_scales", (i, ex.start, t0, 0, 0), scales[None]
 
 
 def pack_vectors(plan: Plan, params: dict, rank: int = 0) -> np.ndarray:

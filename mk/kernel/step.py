@@ -13,6 +13,7 @@ On a TPU backend the kernel is compiled by Mosaic; anywhere else it runs in TPU 
 """
 from __future__ import annotations
 
+import functools
 import gc
 
 import jax
@@ -22,7 +23,7 @@ import numpy as np
 from mk.model.config import K3Config
 from mk.kernel.decode import commit, default_mesh, make_decode_step, make_verify_step, on_tpu
 from mk.kernel.plan import Plan, make_plan
-from mk.kernel.packing import pack_weights
+from mk.kernel.packing import pack_pieces, pack_weights
 
 
 # TPU interpret mode copies the kernel's inputs (the weights) into its simulated memory on every
@@ -57,13 +58,12 @@ _TRIM = None
 def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
     """Device arrays the kernel reads: packed tiles, experts, vector tables, the embedding.
 
-    On a mesh each device gets its own share (`pack_weights(plan, params, rank)`), the blocks of
-    one global array per name, sharded along the leading axis by `NamedSharding(mesh, P(ALL))`.
-    Shares are packed one rank at a time and only for this process's devices, each put on its
-    device before the next is packed: a host never holds more than one share of packed weights
-    beyond what its devices hold. `params` may be `mk.io.checkpoint.Checkpoint.lazy_params(...)`:
-    slots are then read as they are packed, and host memory holds the packed arrays (handed to JAX
-    without a copy on CPU) plus one layer's work."""
+    On a mesh each device gets its own share (`pack_weights(plan, params, rank)`, put there by
+    `device_share`), the blocks of one global array per name, sharded along the leading axis by
+    `NamedSharding(mesh, P(ALL))`. Shares are packed one device at a time and only for this
+    process's devices. `params` may be `mk.io.checkpoint.Checkpoint.lazy_params(...)`: slots are
+    then read as they are packed, and beyond what the devices hold the host holds one piece (see
+    `device_share`) and the embedding (read whole), never a share, whatever the checkpoint's size."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from mk.model.sharding import ALL
 
@@ -72,18 +72,39 @@ def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
     N = plan.devices
     rank_of = {d: (idx[0].start or 0) for d, idx in sharding.addressable_devices_indices_map((N,)).items()}
     blocks: dict[str, list] = {}
-    shapes: dict[str, tuple] = {}
     for dev, rank in sorted(rank_of.items(), key=lambda kv: kv[1]):
-        share = pack_weights(plan, params, rank)
-        for k in list(share):       # each array dropped from the share once it is on its device
-            x = share.pop(k)
-            shapes[k] = x.shape
-            blocks.setdefault(k, []).append(jax.block_until_ready(jax.device_put(x, dev)))
-            del x
-    out = {k: jax.make_array_from_single_device_arrays((N * shapes[k][0],) + shapes[k][1:], sharding, v)
+        for k, x in device_share(plan, params, rank, dev).items():
+            blocks.setdefault(k, []).append(x)
+    out = {k: jax.make_array_from_single_device_arrays((N * v[0].shape[0],) + v[0].shape[1:], sharding, v)
            for k, v in blocks.items()}
     out["embed"] = jax.device_put(np.asarray(params["embed"]), sharding)
     return jax.block_until_ready(out)
+
+
+def device_share(plan: Plan, params: dict, rank: int, device, stream: bool | None = None) -> dict:
+    """Rank `rank`'s packed weights (the arrays of `pack_weights`) on `device`.
+
+    stream (default: unless `device` is a CPU): allocate each array on the device once and fill it
+    piece by piece as it is packed (`mk.kernel.packing.pack_pieces`: one dense matrix's tiles, or
+    one chunk of a layer's experts, written in place by a donated `dynamic_update_slice`), so the
+    host holds one piece at a time, not the share. A CPU device's memory is this host's, so there
+    the packed numpy arrays themselves become the device arrays (64-byte aligned: no copy)."""
+    if stream is None:
+        stream = device.platform != "cpu"
+    if not stream:
+        return {k: jax.device_put(x, device) for k, x in pack_weights(plan, params, rank).items()}
+    from mk.kernel.aot import kernel_weight_shapes
+    share = {k: jnp.zeros(shape, dtype, device=device)
+             for k, (shape, dtype) in kernel_weight_shapes(plan).items() if k != "embed"}
+    for name, start, piece in pack_pieces(plan, params, rank):
+        share[name] = jax.block_until_ready(_fill(share[name], piece, start))   # then the piece is freed
+    return share
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _fill(array, piece, start):
+    """`array` with `piece` written at index `start` (a tuple of ints), in place (`array` is donated)."""
+    return jax.lax.dynamic_update_slice(array, piece, start)
 
 
 def place_cache(cache: dict, mesh) -> dict:

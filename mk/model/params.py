@@ -132,24 +132,27 @@ def init(cfg: K3Config, seed: int = 0, *, on_device: bool | None = None) -> dict
     structs = shapes(cfg)
 
     def make(path, s: jax.ShapeDtypeStruct):
-        key = tuple(p.key for p in path)
-        shape = s.shape
-        kind, scale, offset = _family(cfg, key, shape)
-        if kind == "conv":
-            # Causal filter with most weight on the current token (tap conv_size - 1).
-            x = 0.1 * rng.standard_normal(shape)
-            x[..., -1, :] += 1.0
-        elif kind == "a_log":
-            x = np.log(rng.uniform(1.0, 16.0, shape))
-        elif kind == "router_bias":
-            x = _decisive_router_bias(rng, shape, cfg.top_k)
-        elif kind == "matrix":
-            x = scale * rng.standard_normal(shape, dtype=np.float32)
-        else:
-            x = offset + scale * rng.standard_normal(shape)
-        return jnp.asarray(np.asarray(x, np.float32), s.dtype)
+        return jnp.asarray(draw(cfg, tuple(p.key for p in path), s.shape, rng), s.dtype)
 
     return jax.tree_util.tree_map_with_path(make, structs)
+
+
+def draw(cfg: K3Config, key: tuple, shape, rng: np.random.Generator) -> np.ndarray:
+    """Family `key` (or part of it, leading axes cut: `shape`) drawn as `init` draws it, float32."""
+    kind, scale, offset = _family(cfg, key, shape)
+    if kind == "conv":
+        # Causal filter with most weight on the current token (tap conv_size - 1).
+        x = 0.1 * rng.standard_normal(shape)
+        x[..., -1, :] += 1.0
+    elif kind == "a_log":
+        x = np.log(rng.uniform(1.0, 16.0, shape))
+    elif kind == "router_bias":
+        x = _decisive_router_bias(rng, shape, cfg.top_k)
+    elif kind == "matrix":
+        x = scale * rng.standard_normal(shape, dtype=np.float32)
+    else:
+        x = offset + scale * rng.standard_normal(shape)
+    return np.asarray(x, np.float32)
 
 
 def init_fast(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict:
