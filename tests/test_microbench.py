@@ -107,8 +107,9 @@ def test_device_kinds_map_to_chips_of_the_hardware_table():
 def test_the_seeded_v5e_rows_are_what_the_write_path_writes(tmp_path):
     """data/microbench.csv's measured tpu-v5e rows are what `write_microbench_csv` writes for those
     values and sources (tpu-notes.md's 2026-12-04 run for the DMA rows; the second 2026-12-05 run,
-    docs/tpu-v5e/2026-12-05/microbench-pairs.json, for the rest, its DMA rows refused): the format a
-    re-run produces, every other chip's rows untouched."""
+    docs/tpu-v5e/2026-12-05/microbench-pairs.json, for the MXU and vector rows, its DMA rows refused;
+    the dequant family of 2026-12-06, docs/tpu-v5e/2026-12-06b/microbench-dequant-fused.json, for the
+    fused MXFP4 tile product): the format a re-run produces, every other chip's rows untouched."""
     import json
     table = hw.load_microbench()
     rows = [m for (chip, _), m in table.rows.items() if chip == "tpu-v5e" and m.source.startswith("measured")]
@@ -117,7 +118,7 @@ def test_the_seeded_v5e_rows_are_what_the_write_path_writes(tmp_path):
     by_source = {}
     for m in rows:
         by_source.setdefault(m.source, {})[m.quantity] = m.value
-    assert sorted(len(v) for v in by_source.values()) == [2, 5]
+    assert sorted(len(v) for v in by_source.values()) == [1, 2, 4]
     assert {"dma_stream_bw", "dma_descriptor_latency"} == set(next(v for s, v in by_source.items() if "2026-12-04" in s))
     base = _data_rows(hw.DATA_DIR / "microbench.csv")
     stripped = tmp_path / "base.csv"
@@ -131,7 +132,10 @@ def test_the_seeded_v5e_rows_are_what_the_write_path_writes(tmp_path):
     assert [r for r in _data_rows(out) if not r.startswith("tpu-v5e,")] == [r for r in base if not r.startswith("tpu-v5e,")]
     run = json.loads((hw.DATA_DIR.parent / "docs/tpu-v5e/2026-12-05/microbench-pairs.json").read_text())
     assert table.get("tpu-v5e", "mxu_push_rows") == pytest.approx(run["constants"]["mxu_push_rows"], rel=1e-5)
-    assert table.get("tpu-v5e", "dequant_op_rate") == pytest.approx(run["constants"]["dequant_op_rate"], rel=1e-5)
+    fused = json.loads((hw.DATA_DIR.parent / "docs/tpu-v5e/2026-12-06b/microbench-dequant-fused.json").read_text())
+    from mk.kernel.schedule import dequant_ops
+    assert table.get("tpu-v5e", "dequant_op_rate") == pytest.approx(
+        fused["pairs"]["weights_per_s"] * dequant_ops("bf16", "pairs"), rel=1e-5)
 
 
 def test_timing_off_a_tpu_is_refused(capsys):
