@@ -113,6 +113,11 @@ def test_kernel_weights_are_reused_only_for_an_equal_packing():
     a, b = pack_weights(p1, params), pack_weights(p8, params)
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert bench.pack_key(p1) != bench.pack_key(make_plan(MINI, 1, tile=256))
+    # MXFP4 words are laid out for their unpack (`pack_mxfp4_tiles`): another unpack is another packing
+    from mk.kernel.plan import MK
+    import dataclasses
+    mx = {u: make_plan(MINI, 1, experts="mxfp4", options=dataclasses.replace(MK, mxfp4_unpack=u)) for u in ("pairs", "shift")}
+    assert bench.pack_key(mx["pairs"]) != bench.pack_key(mx["shift"])
 
 
 @pytest.mark.slow

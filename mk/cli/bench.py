@@ -29,6 +29,8 @@ def add_parser(subparsers):
     p.add_argument("--impl", default="kernel,xla,reference",
                    help="comma-separated, of kernel, xla, xla-ragged, reference (default kernel,xla,reference)")
     p.add_argument("--prefetch-depth", type=at_least(0), default=None, help="the kernel's prefetch depth")
+    p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "shift", "bitcast"), default="auto",
+                   help="how the kernel unpacks MXFP4 codes (`mk check --help`); default the chip's")
     p.add_argument("--seed", type=at_least(0), default=0, help="weights and tokens seed")
     p.add_argument("--json", action="store_true", help="print {metadata, rows} as JSON")
     p.set_defaults(func=run)
@@ -43,7 +45,7 @@ def run(args) -> int:
     impls = [s.strip() for s in args.impl.split(",") if s.strip()]
     cfg = get_config(args.config)
     rows = bench.measure(cfg, batches, args.experts, args.steps, args.warmup, impls, args.prefetch_depth,
-                         seed=args.seed)
+                         seed=args.seed, mxfp4_unpack=args.mxfp4_unpack)
     meta = bench.metadata(cfg, args.experts, args.steps, args.warmup)
     if args.json:
         json.dump({"metadata": meta, "rows": rows}, sys.stdout, indent=2)

@@ -100,7 +100,7 @@ def add_step_options(p) -> None:
                         "peer) or two (reduce-scatter, then all-gather of the sums: fewer bytes, two hops); "
                         "`mk simulate` names the faster for the seed's system")
     p.add_argument("--mxfp4-matmul", choices=("bf16", "fp8"), default="bf16",
-                   help="how the kernel's MXFP4 experts meet the MXU: 'bf16' (dequantized to a bf16 tile) or "
+                   help="how the kernel's MXFP4 experts meet the MXU: 'bf16' (unpacked to bf16 in registers) or "
                         "'fp8' (codes to e4m3, a block-diagonal LHS, 32-row group partials scaled and summed: "
                         "spec 3.5)")
     p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "shift", "bitcast"), default="auto",

@@ -242,11 +242,12 @@ def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str
 def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16", steps: int = 20,
             warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | None = None,
             params: dict | None = None, *, seed: int = 0, ctx: int = 256, progress: bool = True,
-            microbench_csv=None, device_steps: int = 5) -> list[dict]:
+            microbench_csv=None, device_steps: int = 5, mxfp4_unpack: str = "auto") -> list[dict]:
     """Time each impl at each batch on this TPU; returns rows (see `mk.cli.bench` for the fields).
 
     device_steps: that many more steps of each case under `jax.profiler`, for the step program's
     device time (`device_median_ms`, next to the wall clock's `median_ms`); 0: none.
+    mxfp4_unpack: the kernel's `ScheduleOptions.mxfp4_unpack` ('auto': the chip's).
 
     params: in `experts` format (MXFP4: the packed tree of `mk.io.checkpoint.load(..., experts=
     "mxfp4")`); default `mk.model.params.init_fast(cfg, seed, experts)` on the device."""
@@ -282,10 +283,15 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     rng = np.random.default_rng(seed)
     tokens = {B: rng.integers(0, cfg.vocab, (warmup + steps, B)).astype(np.int32) for B in batches}
     plan_kw = {} if prefetch_depth is None else {"prefetch_depth": prefetch_depth}
+    if mxfp4_unpack != "auto":
+        import dataclasses
+        from mk.kernel.plan import MK
+        plan_kw["options"] = dataclasses.replace(MK, mxfp4_unpack=mxfp4_unpack)
     try:
         plans = {B: make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw) for B in batches}
     except PlanError as e:
-        raise BenchError(f"--prefetch-depth: {e}") from None
+        raise BenchError(f"the kernel's plan (--prefetch-depth {prefetch_depth}, --mxfp4-unpack {mxfp4_unpack}): "
+                         f"{e}") from None
     distinct: dict[int, list] = {B: [] for B in batches}   # per timed step: distinct experts per layer
     results: dict[tuple, dict] = {}
     bar = tqdm(desc=f"bench {name} {experts}", total=len(batches) * len(impls), leave=False,
@@ -294,7 +300,8 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     def run_case(impl, B, make_step, on_output=None):
         bar.set_postfix_str(f"B={B} {impl}")
         row = {"impl": impl, "batch": B, "experts": experts, "median_ms": None, "min_ms": None, "max_ms": None,
-               "steps": 0, "error": None, "prefetch_depth": plans[B].prefetch_depth if impl == "kernel" else None}
+               "steps": 0, "error": None, "prefetch_depth": plans[B].prefetch_depth if impl == "kernel" else None,
+               "mxfp4_unpack": plans[B].mxfp4_unpack if impl == "kernel" and experts == "mxfp4" else None}
         t0 = time.perf_counter()
         try:
             step = make_step()
