@@ -136,8 +136,12 @@ def test_in_kernel_dequant_bit_exact_against_ml_dtypes(unpack):
         c2, s2 = packing.pack_mxfp4_tiles(codes, scales, tk, tn, other)
         assert not np.array_equal(_run_dequant(c2, s2, m, unpack)[0].view(np.uint16), want.view(np.uint16))
     # the kernel's own path: unpacked 128 columns at a time into the MXU; an identity LHS reads the tile
-    # back exactly (one exact product per output, the rest zeros; signed zeros become +0)
+    # back exactly (one exact product per output, the rest zeros; signed zeros become +0). Also at
+    # k3-chip's 512 x 512 tile (four column blocks)
     eye = np.eye(tk, dtype=ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(_run_tile_product(eye, c[0], s[0], unpack), want.astype(np.float32))
+    codes, scales, want = every_code_every_scale_tile(tk, 512, seed=1)
+    c, s = packing.pack_mxfp4_tiles(codes, scales, tk, 512, unpack)
     np.testing.assert_array_equal(_run_tile_product(eye, c[0], s[0], unpack), want.astype(np.float32))
 
 
