@@ -68,7 +68,7 @@ def test_fp4_bitcast_does_not_lower_before_tpu7x():
 
 
 def test_k3_slice_compiles_within_tpu7x_vmem():
-    """MXFP4 experts: packed tiles in their own slots, the in-VMEM dequant lowers with Mosaic."""
+    """MXFP4 experts: packed tiles in their own slots, the in-register unpack lowers with Mosaic."""
     plan = make_plan(get_config("k3-slice"), 1, chip="tpu7x", experts="mxfp4")
     assert plan.vmem_limit == 64 * 2**20
     r = compile_kernel(plan, "tpu7x:2x2x1")

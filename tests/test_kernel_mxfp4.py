@@ -1,4 +1,4 @@
-"""MXFP4 routed experts in the kernel: packed bytes in the plan, the packing, the in-VMEM dequant.
+"""MXFP4 routed experts in the kernel: packed bytes in the plan, the packing, the in-kernel unpack.
 
 The end-to-end comparisons (kernel with MXFP4 experts == reference on the dequantized weights) run
 inside the existing kernel tests: tests/test_kernel.py (mini, B = 1 and 8), tests/test_kernel_sharded.py
@@ -58,17 +58,17 @@ def test_mxfp4_buffers_and_checks():
 
 
 def _run_dequant(codes, scales, m, unpack="bitcast"):
-    """The kernel's `dequantize_tile` on [T] tiles, in TPU interpret mode -> bf16 [T, tk, tn]."""
+    """The kernel's unpack (`unpack_values`) of [T] tiles, stored, in TPU interpret mode -> bf16 [T, tk, tn]."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
     from mk.kernel.decode import interpret_params, on_tpu
-    from mk.kernel.ring import dequantize_tile
+    from mk.kernel.ring import group_exponents, unpack_values
 
     def kernel(c_ref, s_ref, o_ref):
         for t in range(codes.shape[0]):
-            dequantize_tile(c_ref.at[t], s_ref.at[t], o_ref.at[t], unpack)
+            o_ref[t] = unpack_values(c_ref[t], group_exponents(s_ref.at[t]), unpack)
 
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((codes.shape[0], m.tile_k, m.tile_n), jnp.bfloat16),

@@ -246,13 +246,13 @@ def write_random_checkpoint(cfg: K3Config, out_dir, seed: int = 0, shard_bytes: 
 
 def _random_tensors(cfg: K3Config, entry: Entry, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Random checkpoint tensor(s) of one layout entry (see `write_random_checkpoint`)."""
-    from mk.model.params import _E2M1_RMS, _family, draw
+    from mk.model.params import _family, draw, mxfp4_scale_byte
 
     src = entry.sources[0]
     if entry.kind == "mxfp4":                          # packed [N, K/2], scale [N, K/32]
         (n, half), ssrc = src.shape, entry.sources[1]
         std = _family(cfg, entry.dest, (2 * half, n))[1]
-        byte = int(round(np.log2(std / _E2M1_RMS))) + 127
+        byte = mxfp4_scale_byte(std)
         return {src.name: rng.integers(0, 256, src.shape, dtype=np.uint8),
                 ssrc.name: (byte - rng.integers(0, 2, ssrc.shape, dtype=np.uint8)).astype(np.uint8)}
     if entry.kind == "T":                              # a bf16 matrix [out, in]

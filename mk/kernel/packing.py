@@ -253,7 +253,7 @@ def check_kernel_scales(scale: np.ndarray, what: str, first=None):
         pos = [int(x) + int(f) for x, f in zip(at, first or (0,) * s.ndim)]
         raise PlanError(f"{what}: E8M0 scale byte {int(s[tuple(at)])} at {pos} is outside {lo}..{hi}, "
                         f"where every E2M1 value times the scale is a normal, finite bf16 number; the "
-                        f"kernel's in-VMEM dequantization would not be exact (use experts='bf16')")
+                        f"kernel's in-register unpack would not be exact (use experts='bf16')")
 
 
 def _pack_mxfp4_experts(plan: Plan, params: dict):

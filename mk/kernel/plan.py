@@ -445,7 +445,7 @@ class Phase:
                                      # (the one after them waits for it); 0: the core waits at once
     dmas: tuple[int, ...] = ()
     dtype: str = "bf16"              # MXU rate: 'bf16' | 'fp8' | 'fp4'
-    vector_ops: int = 0              # extra elementwise ops of an mxu phase (in-VMEM dequantization)
+    vector_ops: int = 0              # extra elementwise ops of an mxu phase (the MXFP4 unpack)
     fixed_cost: str = ""             # a machine constant added to the phase time ('routing': spec App. B.6)
     pipelined: bool = False          # a GPU kernel: compute overlaps its own weight stream
     kernel: str | None = None        # per-op schedules: the kernel launch this phase is

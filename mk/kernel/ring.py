@@ -72,15 +72,11 @@ def mxfp4_tile_product(acc, x, codes, scales, unpack: str, chunk: int) -> jax.Ar
     the same order either way."""
     s = group_exponents(scales)                                                       # [tk / 32, tn]
     L = min(DEQUANT_LANES, acc.shape[1])
-    return jnp.concatenate([tile_product(acc[:, c:c + L], x, unpack_values(codes[:, c:c + L], s[:, c:c + L], unpack),
-                                         chunk) for c in range(0, acc.shape[1], L)], axis=1)
-
-
-def dequantize_tile(codes, scales, out, unpack: str = "shift"):
-    """codes [tile_k / 8, tile_n] int32, scales [tile_k / 128, tile_n] int32 (refs or ref views;
-    layout: `mk.kernel.packing.pack_mxfp4_tiles` for `unpack`) -> out [tile_k, tile_n] ref (bf16,
-    or float8_e4m3fn for unit scales) = exactly value(code) * 2^(s - 127) (`unpack_values`)."""
-    out[...] = unpack_values(codes[...], group_exponents(scales), unpack).astype(out.dtype)
+    blocks = []
+    for c in range(0, acc.shape[1], L):
+        w = unpack_values(codes[:, c:c + L], s[:, c:c + L], unpack)                   # [tk, L] bf16
+        blocks.append(tile_product(acc[:, c:c + L], x, w, chunk))
+    return jnp.concatenate(blocks, axis=1)
 
 
 def _rows(group_rows, rows: int) -> jax.Array:
@@ -167,7 +163,8 @@ def fp8_tile_product(acc, x, codes, scales, lhs, w8, m: Matrix, unpack: str = "s
     if unpack == "bitcast":
         w8[...] = pltpu.bitcast(codes[...], jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn)   # [tk, tn]
     else:
-        w8[...] = unpack_values(codes[...], jnp.full((G, tn), 127, jnp.int32), unpack).astype(w8.dtype)  # [tk, tn] e4m3, 2^0
+        unit = jnp.full((G, tn), 127, jnp.int32)                                     # scale 2^0
+        w8[...] = unpack_values(codes[...], unit, unpack).astype(w8.dtype)           # [tk, tn] e4m3
     xs = jnp.concatenate([x.astype(jnp.float32)] * G, axis=0)                        # [G R, tk]
     row_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 0) // R
     col_group = jax.lax.broadcasted_iota(jnp.int32, (G * R, tk), 1) // MX_GROUP

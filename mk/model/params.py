@@ -189,6 +189,12 @@ def _init_fast_jit(cfg: K3Config, experts: str, seed) -> dict:
 _E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))
 
 
+def mxfp4_scale_byte(std: float) -> int:
+    """The E8M0 byte whose scale gives uniformly random E2M1 codes about this std (random experts
+    draw it or the byte below, `init_fast` and `mk.io.synth.write_random_checkpoint`)."""
+    return int(round(np.log2(std / _E2M1_RMS))) + 127
+
+
 def _fast_leaf(cfg: K3Config, key: tuple, s: jax.ShapeDtypeStruct, k, experts: str):
     shape, dtype = s.shape, s.dtype
     normal = lambda scale, dt=dtype: (jax.random.normal(k, shape, dt) * jnp.asarray(scale, dt)).astype(dtype)
@@ -212,7 +218,7 @@ def _fast_leaf(cfg: K3Config, key: tuple, s: jax.ShapeDtypeStruct, k, experts: s
     if experts == "mxfp4" and key[0] == "moe" and key[1] in ("w1", "w3", "w2"):
         *lead, K, N = shape
         kp, ks = jax.random.split(k)
-        byte = int(round(np.log2(scale / _E2M1_RMS))) + 127
+        byte = mxfp4_scale_byte(scale)
         packed = jax.random.randint(kp, (*lead, N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
         scale_bytes = byte + jax.random.randint(ks, (*lead, N, K // 32), -1, 1, jnp.int32)   # byte - 1 or byte
         return {"packed": packed, "scale": scale_bytes.astype(jnp.uint8)}

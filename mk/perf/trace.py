@@ -5,7 +5,7 @@ One process per simulated step; one track (thread) per engine of the modelled de
 
     core (phase)     the phase the core is in, waits included (every entry of `mk.kernel.schedule.schedule(plan)`)
     MXU              matmul work (per unit: one weight tile or matrix)
-    vector unit      vector phases and in-VMEM dequantization
+    vector unit      vector phases and the MXFP4 unpack
     DMA queue #i     weight / expert / cache DMAs and write-backs, from first byte to last (transfers
                      share the engine, so several are open at once: one lane each)
     ICI <link> #i    collectives on each link, from issue to completion
