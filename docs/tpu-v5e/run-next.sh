@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # What is open on the lent TPU v5e (issues 22, 23), as calls of under 10 minutes each, one after
 # another (the machine stays warm 100 s between calls):
+#   OUT=DIR bash docs/tpu-v5e/run-next.sh nonzero the MXFP4 unpack with the nonzero bits of eight codes at once
+#                                                 (mk.kernel.ring.nonzero_bits): tile test, mk check mini, the
+#                                                 dequant family, mk bench k3-chip MXFP4 (~8 min)
 #   OUT=DIR bash docs/tpu-v5e/run-next.sh ring    tiles issued at release (mk.kernel.ring), no DMA bounds checks:
 #                                                 mk check mini MXFP4 and bf16, mk bench k3-chip MXFP4 and bf16,
 #                                                 kernel and fair XLA (~9 min)
@@ -15,7 +18,13 @@
 #   OUT=DIR bash docs/tpu-v5e/run-next.sh nb03    notebook 03 with the kernel's region trace, 2 steps (~6 min)
 # Wheels: ../shared/tools/tpu-prep $(cat docs/tpu-v5e/notebook-wheels.txt), carry .whl-tpu.
 set -u
-case "${1:?which call: ring, mxfp4, rest, shift or nb03}" in
+case "${1:?which call: nonzero, ring, mxfp4, rest, shift or nb03}" in
+  nonzero) STEP_PAUSE=2 source docs/tpu-v5e/steps.sh
+     step dequant-tile 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_mxfp4.py -k bit_exact
+     step check-mini-mxfp4 80 python3 -m mk check --config mini --batch 4 --steps 8 --experts mxfp4 --json
+     step dequant-rate 60 python3 docs/tpu-v5e/dequant_rate.py
+     step bench-mxfp4 200 python3 -m mk bench --config k3-chip --experts mxfp4 --impl kernel,xla --json
+     MK_UNROLL=2 step bench-mxfp4-unroll2 140 python3 -m mk bench --config k3-chip --experts mxfp4 --impl kernel --batch 1,8 --json ;;
   ring) STEP_PAUSE=2 source docs/tpu-v5e/steps.sh
      step check-mini-mxfp4 80 python3 -m mk check --config mini --batch 4 --steps 8 --experts mxfp4 --json
      step check-mini-bf16 80 python3 -m mk check --config mini --batch 8 --steps 8 --experts bf16 --json
@@ -32,5 +41,5 @@ case "${1:?which call: ring, mxfp4, rest, shift or nb03}" in
   shift) STEP_PAUSE=2 source docs/tpu-v5e/steps.sh
      step bench-mxfp4-shift 240 python3 -m mk bench --config k3-chip --experts mxfp4 --impl kernel --mxfp4-unpack shift --json ;;
   nb03) TAG=r PARAMS="-p region_trace True -p kernel_steps 2" bash docs/tpu-v5e/run-notebooks.sh 03:540 ;;
-  *) echo "run-next.sh: no call $1 (ring, mxfp4, rest, shift or nb03)" >&2; exit 2 ;;
+  *) echo "run-next.sh: no call $1 (nonzero, ring, mxfp4, rest, shift or nb03)" >&2; exit 2 ;;
 esac

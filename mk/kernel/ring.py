@@ -97,18 +97,34 @@ def _shift(x, n: int) -> jax.Array:
     return x << n if n >= 0 else jax.lax.shift_right_logical(x, -n)
 
 
-def pair_bits(words, j: int, e_pair) -> jax.Array:
+def _i32(c: int) -> int:
+    """A 32-bit pattern as the int32 constant that holds it."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def nonzero_bits(words) -> jax.Array:
+    """words [r, n] int32 of re-encoded codes (`mk.kernel.packing.pairs_nibble`: sign | k in each
+    nibble) -> bit 3 of each nibble set where that code is not zero (k != 1), all eight at once:
+    (k ^ 1) + 7 carries into bit 3 unless k ^ 1 is 0. 4 integer ops for eight weights."""
+    return (((words & 0x77777777) ^ 0x11111111) + 0x77777777) & _i32(0x88888888)
+
+
+def pair_bits(words, j: int, e_pair, nonzero) -> jax.Array:
     """words [r, n] int32 holding re-encoded codes (`mk.kernel.packing.pairs_nibble`: sign | k) at
     bits 4j .. 4j + 3 and 16 + 4j .. (the rest ignored), e_pair [r, n] int32: (s - 1) << 7 in both
-    16-bit halves -> both halves' bf16 bit patterns of value(code) * 2^(s - 127).
+    16-bit halves, nonzero: `nonzero_bits(words)` -> both halves' bf16 bit patterns of
+    value(code) * 2^(s - 127).
 
     The re-encoding makes a magnitude's bf16 bits linear in k: 0.5, 1, 1.5, 2, 3, 4, 6 are k = 0, 2,
-    3, .. 7, bits (s - 1) << 7 + 64 k; zero is k = 1 and masked to 0. Every op acts on both 16-bit
-    halves at once (no carry crosses bit 16): 13 integer ops for two weights."""
-    k6 = _shift(words, 6 - 4 * j) & 0x01C001C0                  # k << 6 in each half (bits 6-8, 22-24)
-    nonzero = ((k6 ^ 0x00400040) + 0x01C001C0) & 0x02000200     # bit 9 / 25: k != 1
-    keep = (nonzero << 7) - jax.lax.shift_right_logical(nonzero, 9)   # 0xFFFF in each half where k != 1
-    sign = _shift(words, 12 - 4 * j) & (-0x7FFF8000)            # the code's bit 3 -> bits 15 and 31 (0x80008000)
+    3, .. 7, bits (s - 1) << 7 + 64 k, which stay below bit 15 (s <= 252); zero is k = 1 and masked
+    to 0. The mask spans bits 6 .. 14, built from the code's nonzero bit p = 4j + 3 as
+    2^15 - 2^6 = (bit << (15 - p)) - (bit >> (p - 6)). Every op acts on both 16-bit halves at once
+    (no carry or borrow crosses bit 16): 11 integer ops for two weights (9 for plane 3)."""
+    p = 4 * j + 3
+    k6 = _shift(words, 6 - 4 * j) & 0x01C001C0                   # k << 6 in each half (bits 6-8, 22-24)
+    bit = nonzero & _i32(0x00080008 << 4 * j)                     # bits p and 16 + p: code != 0
+    keep = _shift(bit, 15 - p) - _shift(bit, 6 - p)               # bits 6-14 of each half where code != 0
+    sign = _shift(words, 12 - 4 * j) & _i32(0x80008000)           # the code's bit 3 -> bits 15 and 31
     return ((e_pair + k6) & keep) | sign
 
 
@@ -141,7 +157,8 @@ def unpack_values(words, s, unpack: str) -> jax.Array:
     if unpack == "pairs":
         e_pair = (s - 1) << 7
         e_pair = _rows(e_pair | (e_pair << 16), MX_GROUP // 2)                         # [tk / 2, n], one per word row
-        return jnp.concatenate([pltpu.bitcast(pair_bits(words, j, e_pair[j * r:(j + 1) * r]), jnp.bfloat16)
+        nonzero = nonzero_bits(words)                                                  # [tk / 8, n]
+        return jnp.concatenate([pltpu.bitcast(pair_bits(words, j, e_pair[j * r:(j + 1) * r], nonzero), jnp.bfloat16)
                                 for j in range(CODES_PER_WORD // 2)], axis=0)          # 4 planes of [tk / 4, n]
     if unpack == "bitcast":
         scale = jax.lax.bitcast_convert_type(_rows(s, MX_GROUP) << 23, jnp.float32).astype(jnp.bfloat16)

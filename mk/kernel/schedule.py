@@ -38,18 +38,20 @@ from mk.kernel.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError,
 #       'shift': the plane shift and its concatenation, `e2m1_bits` (and, shift, compare, add,
 #           compare, two selects, sign and / shift / or: 10), the broadcast exponent and the
 #           f32 -> bf16 conversion: 14 (v5e, v6e, on request);
-#       'pairs': per two weights in one 32-bit lane, `pair_bits` (13, the plane shift folded in) and
-#           the broadcast exponent pair: 14, so 7 per weight (v5e, v6e);
+#       'pairs': per two weights in one 32-bit lane, `pair_bits` (11, or 9 for plane 3: the plane
+#           shift folded in), a quarter of the word's `nonzero_bits` (4) and the broadcast exponent
+#           pair: 12.5, so 6.25 per weight (v5e, v6e; the v5e LLO of a 512 x 512 tile: 1539 vector
+#           ALU ops of 1024 lanes, 6.0 per weight);
 #   ('fp8', *): the e4m3 tile stored to VMEM, then a block-diagonal LHS (`fp8_tile_product`);
 #       'bitcast': the seed (spec 3.5): one fp4 -> fp8 conversion per weight, the E8M0 group scales
 #           applied to [B, T/32, N] partial products (per group, not per weight): 1;
 #       'shift': the shift, concatenation and `e2m1_bits` (12), the e4m3 conversion and store: 14;
-#       'pairs': as above, a bf16 -> e4m3 conversion and the store: 10.
-DEQUANT_OPS = {("bf16", "bitcast"): 3, ("bf16", "shift"): 14, ("bf16", "pairs"): 7,
-               ("fp8", "bitcast"): 1, ("fp8", "shift"): 14, ("fp8", "pairs"): 10}
+#       'pairs': as above, a bf16 -> e4m3 conversion and the store: 9.25.
+DEQUANT_OPS = {("bf16", "bitcast"): 3, ("bf16", "shift"): 14, ("bf16", "pairs"): 6.25,
+               ("fp8", "bitcast"): 1, ("fp8", "shift"): 14, ("fp8", "pairs"): 9.25}
 
 
-def dequant_ops(mxfp4_matmul: str, unpack: str) -> int:
+def dequant_ops(mxfp4_matmul: str, unpack: str) -> float:
     """Vector ops per weight of an MXFP4 tile's conversion (`DEQUANT_OPS`)."""
     return DEQUANT_OPS[mxfp4_matmul, unpack]
 

@@ -240,7 +240,7 @@ def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray, unpack: str
 # Inputs, expected outputs (the interpret-mode check), abstract shapes (the deviceless compile)
 # ------------------------------------------------------------------------------------------------
 # repeat counts (n1, n2) of the timing difference, per kernel family
-TIMED_REPS = {"mxu": (64, 512), "dma": (16, 64), "vector": (64, 512), "dequant": (64, 512)}
+TIMED_REPS = {"mxu": (64, 512), "dma": (16, 64), "vector": (64, 512), "dequant": (256, 4096)}
 CHECK_REPS = {"mxu": 3, "dma": 4, "vector.fma": 2, "vector.pass": 3, "dequant": 2}
 
 
