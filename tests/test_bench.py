@@ -70,10 +70,12 @@ def test_summary_and_ratios_with_a_fake_timer():
     assert seen == [0, 1, 2, 3, 4] and len(made) == 2                 # cache recreated after ctx = 3 steps
     s = bench.summarize(times)
     assert s == pytest.approx({"median_ms": 3.0, "min_ms": 1.0, "max_ms": 10.0, "steps": 4})
-    rows = [{"impl": "kernel", "batch": 1, "median_ms": 2.0}, {"impl": "xla", "batch": 1, "median_ms": 5.0},
+    rows = [{"impl": "kernel", "batch": 1, "median_ms": 2.0, "device_median_ms": 1.5},
+            {"impl": "xla", "batch": 1, "median_ms": 5.0, "device_median_ms": 1.8},
             {"impl": "reference", "batch": 1, "median_ms": None}, {"impl": "xla", "batch": 2, "median_ms": 5.0}]
     bench.add_ratios(rows)
     assert [r["kernel_speedup"] for r in rows] == [None, 2.5, None, None]
+    assert [r["device_speedup"] for r in rows] == [None, pytest.approx(1.2), None, None]
     row = bench.finish_row({"batch": 4, "median_ms": 2.0}, {"hbm_bytes": 1e9},
                            {"datasheet_bw": 800e9, "stream_bw": 625e9})
     assert row["gb_s"] == pytest.approx(500) and row["tok_s"] == pytest.approx(2000)

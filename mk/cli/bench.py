@@ -7,7 +7,7 @@ frac_datasheet (of the chip's HBM bandwidth), frac_stream (of `mk microbench`'s 
 stream bandwidth; null if not measured), tok_s (batch / median), kernel_speedup (this impl's
 median / the kernel's), device_median_ms (the step program's device time, from a `jax.profiler`
 trace of 5 more steps: no host dispatch or sync), device_gb_s and device_frac_stream (the same bytes
-over it), distinct_experts (per MoE layer, mean over the timed steps), error (why a
+over it), device_speedup (this impl's device time / the kernel's), distinct_experts (per MoE layer, mean over the timed steps), error (why a
 case did not run). Off a TPU it refuses (exit 2).
 """
 from __future__ import annotations
@@ -65,7 +65,8 @@ def format_table(rows: list[dict], meta: dict) -> str:
              f"HBM datasheet {_f(meta['datasheet_hbm_bw'] and meta['datasheet_hbm_bw'] / 1e9, '.0f')} GB/s; "
              f"stream {_f(meta['stream_bw'] and meta['stream_bw'] / 1e9, '.0f')} GB/s ({meta['stream_source']})",
              f"{'impl':11s} {'B':>2s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'GB read':>8s} {'GB/s':>7s} "
-             f"{'of HBM':>7s} {'of stream':>9s} {'tok/s':>8s} {'vs kernel':>9s} {'device ms':>9s} {'of stream':>9s}  distinct experts"]
+             f"{'of HBM':>7s} {'of stream':>9s} {'tok/s':>8s} {'vs kernel':>9s} {'device ms':>9s} {'of stream':>9s} "
+             f"{'vs kernel':>9s}  distinct experts"]
     for r in rows:
         if r.get("error"):
             lines.append(f"{r['impl']:11s} {r['batch']:2d}  not run: {r['error']}")
@@ -75,6 +76,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
             f"{r['hbm_bytes'] / 1e9:8.3f} {_f(r['gb_s'], '7.1f')} {_f(r['frac_datasheet'], '7.2f')} "
             f"{_f(r['frac_stream'], '9.2f')} {_f(r['tok_s'], '8.1f')} "
             f"{(_f(r['kernel_speedup'], '8.2f') + 'x') if r['kernel_speedup'] else '        -'} "
-            f"{_f(r.get('device_median_ms'), '9.3f')} {_f(r.get('device_frac_stream'), '9.2f')}  "
+            f"{_f(r.get('device_median_ms'), '9.3f')} {_f(r.get('device_frac_stream'), '9.2f')} "
+            f"{(_f(r['device_speedup'], '8.2f') + 'x') if r.get('device_speedup') else '        -'}  "
             f"{r['distinct_experts']} ({r['distinct_source']})")
     return "\n".join(lines)

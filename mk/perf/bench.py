@@ -168,12 +168,14 @@ def device_step_times(step: Callable, cache: dict, tok, steps: int) -> list[floa
 
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Set `kernel_speedup` = this impl's median / the kernel's at the same batch (how many times
-    faster the kernel is; None for the kernel itself or where either has no time)."""
-    kernel = {r["batch"]: r["median_ms"] for r in rows if r["impl"] == "kernel" and r.get("median_ms")}
-    for r in rows:
-        k = kernel.get(r["batch"])
-        r["kernel_speedup"] = (r["median_ms"] / k if r["impl"] != "kernel" and k and r.get("median_ms")
-                               else None)
+    faster the kernel is, on the wall clock), and `device_speedup`, the same of their device times
+    (the step programs alone: the wall clock adds about 1 ms of host dispatch and sync per step,
+    which varies from run to run by as much); None for the kernel itself or where either has no time."""
+    for key, out in (("median_ms", "kernel_speedup"), ("device_median_ms", "device_speedup")):
+        kernel = {r["batch"]: r[key] for r in rows if r["impl"] == "kernel" and r.get(key)}
+        for r in rows:
+            k = kernel.get(r["batch"])
+            r[out] = r[key] / k if r["impl"] != "kernel" and k and r.get(key) else None
     return rows
 
 
