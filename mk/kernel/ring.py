@@ -12,7 +12,7 @@ keeps an *issue cursor* (layer, position in that layer's stream) in SMEM, ahead 
 Issuing at release, after the tile's compute in program order, puts the issue's scalar work (slot
 and address arithmetic, SMEM reads) in the same basic block as the tile's vector work, so the
 compiler packs it into the free scalar slots of those bundles: on TPU v5e (deviceless LLO, one
-512 x 512 MXFP4 tile of k3-chip) the tile's loop body is 532 bundles, against 664 for an issue
+512 x 512 MXFP4 tile of k3-chip) the tile's loop body is 533 bundles, against 664 for an issue
 loop run before each wait (131 of them the loop, bounds checks included).
 
 Because the cursor walks straight from one layer's stream into the next, the next layer's first
