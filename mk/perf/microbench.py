@@ -239,7 +239,9 @@ def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray, unpack: str
 # ------------------------------------------------------------------------------------------------
 # Inputs, expected outputs (the interpret-mode check), abstract shapes (the deviceless compile)
 # ------------------------------------------------------------------------------------------------
-# repeat counts (n1, n2) of the timing difference, per kernel family
+# repeat counts (n1, n2) of the timing difference, per kernel family. dequant: a tile takes 0.4-0.7 us
+# on the v5e, so 64 vs 512 repeats differed by 0.2-0.3 ms, inside the timer's noise (the same
+# kernel read 0.61 then 0.80 us per tile); 256 vs 4096: three runs within 2.5%.
 TIMED_REPS = {"mxu": (64, 512), "dma": (16, 64), "vector": (64, 512), "dequant": (256, 4096)}
 CHECK_REPS = {"mxu": 3, "dma": 4, "vector.fma": 2, "vector.pass": 3, "dequant": 2}
 
@@ -357,6 +359,20 @@ def line_fit(sizes, seconds) -> tuple[float, float]:
     return float(intercept), float(1.0 / slope)
 
 
+def dequant_rates(rng, trials: int = 5, progress=None) -> dict:
+    """The dequant family alone, timed on this TPU: {unpack: {s_per_tile, weights_per_s,
+    ops_per_weight}} for each of DEQUANT_UNPACKS (`measure` runs it beside the other families)."""
+    from mk.kernel.schedule import dequant_ops
+    step = progress or (lambda what: None)
+    out = {}
+    for unpack in DEQUANT_UNPACKS:
+        step(f"dequant {unpack}")
+        t = per_repeat(partial(dequant_call, unpack=unpack), tuple(jnp.asarray(x) for x in dequant_args(rng, unpack)),
+                       *TIMED_REPS["dequant"], trials)
+        out[unpack] = {"s_per_tile": t, "weights_per_s": DEQ_K * DEQ_N / t, "ops_per_weight": dequant_ops("bf16", unpack)}
+    return out
+
+
 def measure(trials: int = 5, progress=None) -> dict:
     """Time every kernel on this TPU; returns the curves and the constants (`out["constants"]`, the
     data/microbench.csv rows of `out["chip"]`, the chip `jax.devices()[0]` is)."""
@@ -398,15 +414,8 @@ def measure(trials: int = 5, progress=None) -> dict:
     t_fma = per_repeat(lambda r: vector_call("fma", r), (a,), *TIMED_REPS["vector"], trials)
     t_pass = per_repeat(lambda r: vector_call("pass", r), (a[:8],), *TIMED_REPS["vector"], trials)
     out["vector"] = {"s_per_fma_pass": t_fma, "s_per_vmem_pass": t_pass}
-    from mk.kernel.schedule import dequant_ops
     from mk.kernel.plan import CHIP_OF_DEVICE_KIND, chip_unpack
-    out["dequant"] = {}
-    for unpack in DEQUANT_UNPACKS:
-        step(f"dequant {unpack}")
-        t_deq = per_repeat(partial(dequant_call, unpack=unpack), tuple(jnp.asarray(x) for x in dequant_args(rng, unpack)),
-                           *TIMED_REPS["dequant"], trials)
-        out["dequant"][unpack] = {"s_per_tile": t_deq, "weights_per_s": DEQ_K * DEQ_N / t_deq,
-                                  "ops_per_weight": dequant_ops("bf16", unpack)}
+    out["dequant"] = dequant_rates(rng, trials, step)
     own = chip_unpack(CHIP_OF_DEVICE_KIND[dev.device_kind])       # a kind `chip_of_device_kind` took
     own = own if own in out["dequant"] else DEQUANT_UNPACKS[0]
     out["dequant_unpack"] = own
