@@ -202,12 +202,27 @@ def test_host_annotations_and_outermost_regions():
 
 def test_step_device_seconds_picks_the_step_program():
     """mk bench's device time: the program run at least `steps` times with the most time (a fresh
-    cache's broadcasts are programs of their own, run as often), [] without a device plane."""
-    from mk.perf.trace import step_device_seconds
-    ev = device_events_of(XSPACE)
+    cache's broadcasts are programs of their own, run as often), [] without a device plane; read
+    with no pandas (the core install has none)."""
+    from jax.profiler import ProfileData
+
+    from mk.perf.trace import device_event_list, step_device_seconds
+    ev = device_event_list(ProfileData.from_text_proto(XSPACE))
     assert step_device_seconds(ev, 2) == pytest.approx([9e-3, 9.1e-3])
     assert step_device_seconds(ev, 3) == pytest.approx([5e-7] * 3)          # only the helper ran 3 times
-    assert step_device_seconds(ev[ev.plane == "none"], 2) == []
+    assert step_device_seconds([e for e in ev if e.plane == "none"], 2) == []
+
+
+def test_device_time_reader_needs_no_pandas():
+    """mk bench's device time with the core install: the trace reader runs with pandas unimportable."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['pandas'] = None\n"
+            "from jax.profiler import ProfileData\n"
+            "from mk.perf.trace import device_event_list, step_device_seconds\n"
+            "print(step_device_seconds(device_event_list(ProfileData.from_text_proto(sys.argv[1])), 2))")
+    out = subprocess.run([sys.executable, "-c", code, XSPACE], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[0.009, 0.0091]"
 
 
 def device_events_of(text):

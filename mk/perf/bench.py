@@ -157,13 +157,13 @@ def device_step_times(step: Callable, cache: dict, tok, steps: int) -> list[floa
     clock around each step also counts). [] where the trace has no device plane (CPU)."""
     import glob
     import tempfile
-    from mk.perf.trace import device_events, step_device_seconds
+    from mk.perf.trace import device_event_list, step_device_seconds
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(steps):
                 cache = jax.block_until_ready(step(cache, tok))[1]
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        return step_device_seconds(device_events(files[0]), steps) if files else []
+        return step_device_seconds(device_event_list(files[0]), steps) if files else []
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import NamedTuple, Sequence
 
 from mk.errors import writable_path
 
@@ -96,15 +97,29 @@ def profile_data(xplane):
     return xplane if isinstance(xplane, ProfileData) else ProfileData.from_file(os.fspath(xplane))
 
 
-def device_events(xplane):
-    """Every event on a device plane ('/device:...') of an XSpace, as a DataFrame: plane, line,
-    name, start_ns, dur_ns. `xplane`: as `profile_data` takes it."""
-    import pandas as pd
+class DeviceEvent(NamedTuple):
+    """One event on a device plane of an XSpace (times in ns)."""
+    plane: str
+    line: str
+    name: str
+    start_ns: int
+    dur_ns: int
+
+
+def device_event_list(xplane) -> list[DeviceEvent]:
+    """Every event on a device plane ('/device:...') of an XSpace, in plain Python (the core install
+    has no pandas). `xplane`: as `profile_data` takes it."""
     data = profile_data(xplane)
-    rows = [(plane.name, line.name, e.name, e.start_ns, e.duration_ns)
+    return [DeviceEvent(plane.name, line.name, e.name, e.start_ns, e.duration_ns)
             for plane in data.planes if plane.name.startswith("/device:")
             for line in plane.lines for e in line.events]
-    return pd.DataFrame(rows, columns=["plane", "line", "name", "start_ns", "dur_ns"])
+
+
+def device_events(xplane):
+    """`device_event_list` as a pandas DataFrame (columns plane, line, name, start_ns, dur_ns), for
+    the notebooks (pandas comes with the `notebooks` extra)."""
+    import pandas as pd
+    return pd.DataFrame(device_event_list(xplane), columns=list(DeviceEvent._fields))
 
 
 def host_annotation_count(xplane, name: str) -> int:
@@ -116,18 +131,21 @@ def host_annotation_count(xplane, name: str) -> int:
                for line in plane.lines for e in line.events)
 
 
-def step_device_seconds(ev, steps: int) -> list[float]:
+def step_device_seconds(events: Sequence[DeviceEvent], steps: int) -> list[float]:
     """Device time of each of `steps` executions of the traced step program: on the first device
     plane, the 'XLA Modules' program that ran at least `steps` times with the most time in all (a
-    step's helpers, e.g. a fresh cache, are programs of their own). [] when the trace has none (a CPU)."""
-    mods = ev[ev.line == "XLA Modules"]
-    if mods.empty:
+    step's helpers, e.g. a fresh cache, are programs of their own). [] when the trace has none (a CPU).
+    events: `device_event_list`'s."""
+    mods = [e for e in events if e.line == "XLA Modules"]
+    if not mods:
         return []
-    mods = mods[mods.plane == sorted(set(mods.plane))[0]]
-    counts = mods.groupby("name").dur_ns.agg(["count", "sum"])
-    counts = counts[counts["count"] >= steps]
-    if counts.empty:
+    first = min(e.plane for e in mods)
+    runs: dict[str, list[DeviceEvent]] = {}
+    for e in mods:
+        if e.plane == first:
+            runs.setdefault(e.name, []).append(e)
+    runs = {n: r for n, r in runs.items() if len(r) >= steps}
+    if not runs:
         return []
-    name = counts["sum"].idxmax()
-    runs = mods[mods.name == name].sort_values("start_ns")
-    return [d / 1e9 for d in runs.dur_ns.to_numpy()[-steps:]]
+    name = max(runs, key=lambda n: sum(e.dur_ns for e in runs[n]))
+    return [e.dur_ns / 1e9 for e in sorted(runs[name], key=lambda e: e.start_ns)[-steps:]]
