@@ -134,3 +134,17 @@ def test_measure_pipeline_on_mini(monkeypatch):
         assert r["distinct_source"].startswith("routed") and len(r["distinct_experts"]) == MINI.n_moe
         assert MINI.top_k <= min(r["distinct_experts"]) <= max(r["distinct_experts"]) <= r["batch"] * MINI.top_k
         assert r["hbm_bytes"] > 0 and r["tok_s"] == pytest.approx(r["batch"] / r["median_ms"] * 1e3)
+
+
+def test_record_summary_names_the_best_other_step():
+    """A bench record's summary: the kernel's device ms per batch, its fraction of stream, and its
+    speedup over the fastest of the other steps at each batch (the oracle is no competitor)."""
+    from mk.perf.bench import summary
+    rows = [{"impl": "kernel", "batch": 1, "device_median_ms": 5.0, "device_frac_stream": 0.9},
+            {"impl": "kernel", "batch": 8, "device_median_ms": 6.0, "device_frac_stream": 0.85},
+            {"impl": "xla", "batch": 1, "device_median_ms": 10.0}, {"impl": "xla", "batch": 8, "device_median_ms": 6.6},
+            {"impl": "peer", "batch": 1, "device_median_ms": 7.5}, {"impl": "peer", "batch": 8, "device_median_ms": 9.0},
+            {"impl": "reference", "batch": 1, "device_median_ms": 1.0}, {"impl": "reference", "batch": 8, "device_median_ms": 1.0}]
+    assert summary(rows) == ("kernel device 5.00 / 6.00 ms at B = 1 / 8; 0.90 / 0.85 of stream; "
+                             "1.50 / 1.10x faster than the best other step (peer/xla)")
+    assert summary([{"impl": "kernel", "batch": 1, "error": "OOM"}]) == "kernel not run: OOM"

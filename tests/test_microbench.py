@@ -204,7 +204,13 @@ def test_implausible_timings_are_not_written():
     res["dma"] = {n: {"s_one_at_a_time": 1e-6 + n / 7e11, "s_4_inflight": n / 7.9e11, "stream_bw": 7.9e11} for n in res["dma"]}
     res["constants"] = dict(res["constants"], dma_stream_bw=7.9e11)
     res["latency_intercept"] = 1e-6
+    assert mb.implausible(res) == ["no stream sweep (a run from before STREAM_POINTS: its stream was the 4 MiB "
+                                   "copies' best)"]
+    res["stream"] = {"4MiBx4": {"chunk_bytes": 4 << 20, "inflight": 4, "s_per_copy": (4 << 20) / 7.9e11,
+                                "stream_bw": 7.9e11}}
     assert mb.implausible(res) == []
+    res["stream"]["1MiBx4"] = {"chunk_bytes": 1 << 20, "inflight": 4, "s_per_copy": -1e-7, "stream_bw": None}
+    assert mb.implausible_by_constant(res) == {"dma_stream_bw": ["stream 1MiBx4: -1e-07 s per copy <= 0"]}
 
 
 def test_only_the_plausible_constants_are_written(tmp_path):
@@ -218,5 +224,6 @@ def test_only_the_plausible_constants_are_written(tmp_path):
     res["mxu"] = {int(k): v for k, v in res["mxu"].items()}
     why = mb.implausible_by_constant(res)
     assert set(why) == {"dma_stream_bw", "dma_descriptor_latency"}
-    assert any("4096 KiB: 4 copies in flight take" in w for w in why["dma_stream_bw"])
+    assert any("4096 KiB: 4 copies in flight take" in w for w in why["dma_descriptor_latency"])
+    assert any("no stream sweep" in w for w in why["dma_stream_bw"])
     assert res["dequant"]["pairs"]["weights_per_s"] > res["dequant"]["shift"]["weights_per_s"] > 0

@@ -48,7 +48,14 @@ def run(args) -> int:
                          seed=args.seed, mxfp4_unpack=args.mxfp4_unpack)
     meta = bench.metadata(cfg, args.experts, args.steps, args.warmup)
     if args.json:
-        json.dump({"metadata": meta, "rows": rows}, sys.stdout, indent=2)
+        from mk.results import provenance
+        key = {"config": meta["config"], "experts": args.experts}
+        if args.mxfp4_unpack != "auto":
+            key["mxfp4_unpack"] = args.mxfp4_unpack
+        if args.prefetch_depth is not None:
+            key["prefetch_depth"] = args.prefetch_depth
+        record = provenance("bench", key, bench.summary(rows))
+        json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_table(rows, meta))

@@ -179,6 +179,35 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+OTHERS = ("xla", "xla-ragged", "peer")     # the steps the kernel is raced against (not the oracle)
+
+
+def _series(values, fmt: str = ".2f") -> str:
+    return " / ".join("-" if v is None else format(v, fmt) for v in values)
+
+
+def summary(rows: list[dict]) -> str:
+    """One line of a bench's figures, for its record: the kernel's device (else wall) ms per batch,
+    its fraction of the stream, and its speedup over the fastest of the other steps."""
+    batches = sorted({r["batch"] for r in rows})
+    kern = {r["batch"]: r for r in rows if r["impl"] == "kernel" and not r.get("error")}
+    if not kern:
+        return "kernel not run: " + "; ".join(sorted({r["error"] for r in rows if r.get("error")}))[:200]
+    device = all(kern[b].get("device_median_ms") for b in kern)
+    key, frac = ("device_median_ms", "device_frac_stream") if device else ("median_ms", "frac_stream")
+    out = (f"kernel {'device' if device else 'wall'} {_series(kern.get(b, {}).get(key) for b in batches)} ms at "
+           f"B = {' / '.join(map(str, batches))}; {_series((kern.get(b, {}).get(frac) for b in batches))} of stream")
+    best = {}
+    for r in rows:
+        if r["impl"] in OTHERS and r.get(key) and (r["batch"] not in best or r[key] < best[r["batch"]][key]):
+            best[r["batch"]] = r
+    if best:
+        ratio = [best[b][key] / kern[b][key] if b in best and b in kern else None for b in batches]
+        names = "/".join(sorted({best[b]["impl"] for b in best}))
+        out += f"; {_series(ratio)}x faster than the best other step ({names})"
+    return out
+
+
 def finish_row(row: dict, nbytes: dict, bw: dict) -> dict:
     """Fill a timed row's bytes, GB/s, bandwidth fractions and tokens/s."""
     row.update(nbytes)
