@@ -10,8 +10,8 @@ A record is any JSON object with a "record" key, written by the command that mea
 
 `key` names what was measured (e.g. {"config": "k3-chip", "experts": "bf16"}); a later record with the
 same kind and key supersedes an earlier one. `summary` is one line of the figures. The commit comes
-from git where the command runs inside a checkout, else from the environment variable MK_COMMIT (a
-copy of the tree without .git, as on a lent TPU machine: set it where the copy was made).
+from the environment variable MK_COMMIT where set (a copy of the tree sent to a TPU machine: set it
+where the copy was made, since the copy's .git may be absent or stale), else from git.
 
 `current(records)` keeps the newest record of each measurement; `results_table` renders them as the
 README's results table (`python -m mk results --write README.md` rewrites the block between
@@ -46,14 +46,17 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the code that runs: git's HEAD and whether tracked files differ from it, or
-    MK_COMMIT / MK_DIRTY ("1" or "0") where there is no .git; (None, None) when neither says."""
+    """(commit, dirty) of the code that runs: MK_COMMIT / MK_DIRTY ("1" or "0") where set (a copy of
+    the tree made elsewhere: its .git, if any, may be stale), else git's HEAD and whether tracked files
+    differ from it; (None, None) when neither says."""
+    env = os.environ.get("MK_COMMIT") or None
+    if env:
+        dirty = os.environ.get("MK_DIRTY")
+        return env, (None if dirty is None else dirty == "1")
     head = _git("rev-parse", "HEAD") if (REPO / ".git").exists() else None
     if head:
         return head, bool(_git("status", "--porcelain", "--untracked-files=no"))
-    env = os.environ.get("MK_COMMIT") or None
-    dirty = os.environ.get("MK_DIRTY")
-    return env, (None if dirty is None or env is None else dirty == "1")
+    return None, None
 
 
 def provenance(kind: str, key: dict, summary: str = "") -> dict:
@@ -105,8 +108,14 @@ def current(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
 
 
 def _label(rec: dict) -> str:
-    key = rec.get("key") or {}
-    return " ".join([rec["kind"]] + [str(v) for v in key.values() if v not in (None, "")])
+    """"bench k3-chip bf16", "check k3-chip mxfp4 B=8": the kind, then the key's values (batch as B=,
+    a mesh of 1 left out, other options as name=value)."""
+    parts = [rec["kind"]]
+    for k, v in (rec.get("key") or {}).items():
+        if v in (None, "") or (k == "mesh" and v == 1):
+            continue
+        parts.append(str(v) if k in ("config", "experts") else f"B={v}" if k == "batch" else f"{k}={v}")
+    return " ".join(parts)
 
 
 def results_table(records: list[tuple[Path, dict]], root: str | os.PathLike = REPO) -> str:

@@ -45,9 +45,12 @@ def test_readme_block_written_and_checked(tmp_path):
 
 
 def test_commit_from_git_or_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("MK_COMMIT", raising=False)
     head, _ = results.commit()
     if (results.REPO / ".git").exists():
         assert head and len(head) == 40
+        monkeypatch.setenv("MK_COMMIT", "c" * 40)             # set where the copy was made: wins over a stale .git
+        assert results.commit() == ("c" * 40, None)
     monkeypatch.setattr(results, "REPO", tmp_path)            # a copy of the tree without .git
     monkeypatch.setenv("MK_COMMIT", "b" * 40)
     monkeypatch.setenv("MK_DIRTY", "0")
