@@ -61,17 +61,19 @@ check-sharded: $(STAMP)
 # CPython 3.11) the wheels of what mk imports beyond JAX, carry .whl-tpu/ there, and start each command
 # with `source .whl-tpu/env.sh && python3 -m mk ...` from the repository root (mk itself is not
 # installed: env.sh puts the root on PYTHONPATH). Wheels are fetched without their dependencies, so
-# TPU_WHEELS_EXTRA names each extra one, e.g. the notebooks' closure:
-#   make tpu-wheels TPU_WHEELS_EXTRA="$$(cat docs/tpu-v5e/notebook-wheels.txt)"
+# every extra one is named: TPU_WHEELS_EXTRA="pkg==v ..." and/or a requirements file, e.g. the
+# notebooks' closure:   make tpu-wheels TPU_WHEELS_REQS=docs/tpu-v5e/notebook-wheels.txt
 TPU_WHEELS_DIR   := .whl-tpu
 TPU_WHEELS_BASE  ?= tiktoken regex safetensors tqdm requests urllib3 idna certifi charset_normalizer
 TPU_WHEELS_EXTRA ?=
+TPU_WHEELS_REQS  ?=
 TPU_WHEELS_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any
 PIP_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 tpu-wheels:
 	@mkdir -p $(TPU_WHEELS_DIR)
 	$(PIP_PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
-	  $(addprefix --platform ,$(TPU_WHEELS_PLATFORMS)) -d $(TPU_WHEELS_DIR) $(TPU_WHEELS_BASE) $(TPU_WHEELS_EXTRA)
+	  $(addprefix --platform ,$(TPU_WHEELS_PLATFORMS)) -d $(TPU_WHEELS_DIR) \
+	  $(TPU_WHEELS_BASE) $(strip $(TPU_WHEELS_EXTRA)) $(if $(TPU_WHEELS_REQS),-r $(TPU_WHEELS_REQS))
 	@printf '%s\n' \
 	  '# Source from the repository root on the TPU VM: installs the wheels beside them (no network, no' \
 	  '# dependency resolution), then puts them after the VM'"'"'s own JAX on PYTHONPATH, and the repository root.' \

@@ -17,7 +17,7 @@
 #                                                 A/B against 'pairs' (its microbenchmark ran faster; ~4 min)
 #   OUT=DIR bash docs/tpu-v5e/run-logits-rss.sh   host RSS of mk logits, its own call (~4 min)
 #   OUT=DIR bash docs/tpu-v5e/run-next.sh nb03    notebook 03 with the kernel's region trace, 2 steps (~6 min)
-# Wheels: make tpu-wheels TPU_WHEELS_EXTRA="$(cat docs/tpu-v5e/notebook-wheels.txt)" here, carry .whl-tpu.
+# Wheels: make tpu-wheels TPU_WHEELS_REQS=docs/tpu-v5e/notebook-wheels.txt here, carry .whl-tpu.
 set -u
 case "${1:?which call: nonzero, ring, mxfp4, rest, shift or nb03}" in
   nonzero) STEP_PAUSE=2 source docs/tpu-v5e/steps.sh
