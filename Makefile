@@ -69,8 +69,8 @@ TPU_WHEELS_EXTRA ?=
 TPU_WHEELS_REQS  ?=
 TPU_WHEELS_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any
 PIP_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
-tpu-wheels:
-	@mkdir -p $(TPU_WHEELS_DIR)
+tpu-wheels:   # starts from an empty .whl-tpu/: two versions of one package would not install side by side
+	@rm -rf $(TPU_WHEELS_DIR) && mkdir -p $(TPU_WHEELS_DIR)
 	$(PIP_PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
 	  $(addprefix --platform ,$(TPU_WHEELS_PLATFORMS)) -d $(TPU_WHEELS_DIR) \
 	  $(TPU_WHEELS_BASE) $(strip $(TPU_WHEELS_EXTRA)) $(if $(TPU_WHEELS_REQS),-r $(TPU_WHEELS_REQS))
