@@ -106,7 +106,7 @@ def test_device_kinds_map_to_chips_of_the_hardware_table():
 
 def test_the_seeded_v5e_rows_are_what_the_write_path_writes(tmp_path):
     """data/microbench.csv's measured tpu-v5e rows are what `write_microbench_csv` writes for those
-    values and sources (tpu-notes.md's 2026-12-04 run for the DMA rows; the second 2026-12-05 run,
+    values and sources (the 2026-12-04 run, by hand at HEAD 855d326, for the DMA rows; the second 2026-12-05 run,
     docs/tpu-v5e/2026-12-05/microbench-pairs.json, for the MXU and vector rows, its DMA rows refused;
     the dequant family of 2026-12-06, docs/tpu-v5e/2026-12-06d/dequant-rate-4096.jsonl, the median of
     three runs, for the fused MXFP4 tile product): the format a re-run produces, every other chip's

@@ -312,7 +312,7 @@ PRESETS: dict[str, K3Config] = {
         experts=16, top_k=4, layers=8, heads=2, head_dim=128, q_rank=128, kv_rank=128,
         qk_extra=64, vocab=2048, residual_block=3, full_attention=(3, 7)),
     # mini's shape with every split width divisible 2, 4 and 8 ways (heads 8, experts 16 top-8,
-    # latent/dense/shared/vocab multiples of 8): the sharded kernel's interpret-mode tests.
+    # latent, dense, shared and vocab widths multiples of 8): the sharded kernel's interpret-mode tests.
     # 4 layers: dense 0, KDA 1-2, MLA 3; AttnRes blocks of 2 layers -> snapshots b_0, b_1.
     "mini-tp8": K3Config(
         dim=256, latent=256, expert_hidden=256, num_shared_experts=2, dense_hidden=1024,
