@@ -1,11 +1,11 @@
-"""Measurement records (mk.results): provenance, the newest record of each measurement, the README's table."""
+"""Measurement records (mk.perf.results): provenance, the newest record of each measurement, the README's table."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from mk import results
+from mk.perf import results
 
 
 def _rec(path, kind, key, date, summary, commit="a" * 40, **extra):

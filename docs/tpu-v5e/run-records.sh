@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Chip calls on the lent TPU v5e whose JSON are measurement records (mk.results), each under 10 minutes.
+# Chip calls on the lent TPU v5e whose JSON are measurement records (mk.perf.results), each under 10 minutes.
 # From the repo root there, with the wheels of `make tpu-wheels` carried as .whl-tpu, and the commit
 # the copy was made from (the copy has no .git):
 #   MK_COMMIT=$(git rev-parse HEAD) OUT=DIR bash docs/tpu-v5e/run-records.sh base

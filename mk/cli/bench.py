@@ -48,7 +48,7 @@ def run(args) -> int:
                          seed=args.seed, mxfp4_unpack=args.mxfp4_unpack)
     meta = bench.metadata(cfg, args.experts, args.steps, args.warmup)
     if args.json:
-        from mk.results import provenance
+        from mk.perf.results import provenance
         key = {"config": meta["config"], "experts": args.experts}
         if args.mxfp4_unpack != "auto":
             key["mxfp4_unpack"] = args.mxfp4_unpack

@@ -154,7 +154,7 @@ def run_check(args) -> int:
                 mxfp4_matmul=args.mxfp4_matmul, mxfp4_unpack=args.mxfp4_unpack, exact=args.exact,
                 fault=args.fault)
     if args.json:
-        from mk.results import provenance
+        from mk.perf.results import provenance
         key = {"config": args.config, "experts": res.get("experts"), "batch": args.batch, "mesh": args.mesh or 1}
         if args.fault:
             key["fault"] = args.fault

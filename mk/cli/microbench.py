@@ -72,7 +72,7 @@ def run(args) -> int:
         for k in sorted(refused):
             print(f"--write: {k} not written ({'; '.join(refused[k][:2])})", file=sys.stderr)
     if args.json:
-        from mk.results import provenance
+        from mk.perf.results import provenance
         c = res["constants"]
         summary = (f"stream {c['dma_stream_bw'] / 1e9:.0f} GB/s, descriptor latency {c['dma_descriptor_latency'] * 1e6:.2f} us, "
                    f"push rows {c['mxu_push_rows']:.1f}, dequant {c['dequant_op_rate']:.3g} op/s"

@@ -1,6 +1,6 @@
 """`python -m mk results`: the current figure of every measurement recorded under docs/, as a table.
 
-Reads every JSON record (`mk.results`: a top-level "record" with kind, key, summary, commit, date,
+Reads every JSON record (`mk.perf.results`: a top-level "record" with kind, key, summary, commit, date,
 chip and command) under --root, keeps the newest of each measurement and prints the markdown table
 the README shows. `--write README.md` rewrites the README's results block; `--check README.md` exits 1
 where that block is not what the records give (the test suite runs it, so the README cannot go stale).
@@ -22,7 +22,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from mk import results
+    from mk.perf import results
     root = args.root or results.REPO / "docs"
     records = results.find_records(root)
     table = results.results_table(records)
