@@ -61,8 +61,8 @@ DMA_INFLIGHT = 4
 # The stream: (chunk bytes, copies in flight), each timed over 64 MiB against 1 GiB of copies, a
 # difference of about 1.2 ms at the v5e's rate (the timer's noise is some microseconds). The fastest
 # is `dma_stream_bw`, the bandwidth every "of stream" figure divides by.
-STREAM_POINTS = ((512 << 10, 8), (512 << 10, 16), (1 << 20, 8), (1 << 20, 16), (2 << 20, 8), (4 << 20, 2),
-                 (4 << 20, 4), (8 << 20, 4), (16 << 20, 2))
+STREAM_POINTS = ((256 << 10, 32), (512 << 10, 8), (512 << 10, 16), (512 << 10, 32), (1 << 20, 8), (1 << 20, 16),
+                 (2 << 20, 8), (4 << 20, 2), (4 << 20, 4), (8 << 20, 4), (16 << 20, 2))
 STREAM_BYTES = (64 << 20, 1 << 30)
 VEC_ROWS, VEC_COLS, FMAS = 64, 1024, 16   # 256 KiB of f32: the vector registers' worth
 BW_ROWS = 2048                            # 8 MiB of f32: streamed through VMEM
@@ -464,7 +464,7 @@ CONSTANTS = {
                                f"(2 K N)"),
     "dma_descriptor_latency": ("s", "intercept of the least-squares line through HBM -> VMEM copies of "
                                     "64 KiB .. 4 MiB, one at a time"),
-    "dma_stream_bw": ("bytes/s", f"HBM -> VMEM copies of 512 KiB .. 16 MiB chunks, 2 .. 16 in flight, "
+    "dma_stream_bw": ("bytes/s", f"HBM -> VMEM copies of 256 KiB .. 16 MiB chunks, 2 .. 32 in flight, "
                                  f"{STREAM_BYTES[0] >> 20} MiB against {STREAM_BYTES[1] >> 20} MiB of them: the fastest"),
     "vector_flops": ("flop/s", f"{FMAS} dependent f32 multiply-adds per element of a [{VEC_ROWS}, {VEC_COLS}] "
                                f"block, 2 flops each"),
