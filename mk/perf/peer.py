@@ -20,7 +20,8 @@ How K3's latent MoE maps onto the kernel's arguments (spec 1.4.5, `mk.model.laye
   chosen experts and -inf elsewhere, with scoring_fn="sigmoid" and renormalize_topk_logits=True:
   its scores are sigmoid(logit(w)) = w on the chosen experts and 0 elsewhere, so it picks the same
   experts with the same weights, up to the bf16 gating (the kernel reads the gating in the tokens'
-  dtype; with f32 Mosaic rejects a DMA): weights to about 2^-8 relative.
+  dtype; with f32 Mosaic rejects a DMA): a weight w is off by about |logit(w)| bf16 ulps, below
+  2^-9 absolute at 16 experts top-8 (tests/test_peer.py).
 * activation: the kernel knows silu, gelu and swigluoai, not K3's situ. The kernel module is loaded
   on its own (importing the `tpu_inference` package imports vLLM) and its `apply_act_fn` gains
   act_fn "situ:<beta>:<linear_beta>" = `mk.model.layers.common.situ` of the bf16-rounded gate and up
