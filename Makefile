@@ -4,6 +4,8 @@
 #   make check-sharded - the sharded kernel vs the sharded reference, 8 steps: every batch in both DMA modes on 8
 #                        devices, MXFP4 experts on both MXU paths, 4 and 2 devices (~20 min)
 #   make lab   - open the notebooks interactively in JupyterLab (LAB_ARGS="--no-browser --ip=0.0.0.0" on a VM)
+#   make peer  - install the peer for `mk bench --impl peer` (tpu-inference 0.26.0, the release for jax 0.10.2)
+#                without its dependencies; make peer-wheels downloads its wheel into .whl-tpu/ instead
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -11,7 +13,7 @@ STAMP  := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: run test venv demo clean browser lab check-sharded
+.PHONY: run test venv demo clean browser lab check-sharded peer peer-wheels
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +57,17 @@ check-sharded: $(STAMP)
 	  echo "== mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8 --exact"; \
 	  $(PY) -m mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8 --exact || exit 1; \
 	done
+
+# vLLM TPU's fused MoE kernel, alone: --no-deps leaves out vLLM's serving stack and the wheel's own pins
+# (libtpu 0.0.43, torchvision, fastapi, ...); mk loads the kernel's module without importing vLLM.
+PEER_WHEEL ?= tpu-inference==0.26.0
+PEER_WHEELS ?= .whl-tpu
+peer: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(PEER_WHEEL)
+
+peer-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d $(PEER_WHEELS) $(PEER_WHEEL)
+	@echo "$(PEER_WHEELS)/: carry it; install there with pip install --no-index --no-deps $(PEER_WHEELS)/tpu_inference-*.whl"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -142,17 +142,8 @@ def _run(cfg, params, ref_params, fmt, batch, steps=3):
     return logit_err, cache_err
 
 
-def _dequantized(params, cfg, fmt):
-    """params with each expert replaced by what the peer's `fmt` stores (bf16 [E, K, N])."""
-    moe = dict(params["moe"])
-    layers = peer.peer_params(params, cfg, fmt)["peer"]
-    w13 = jnp.stack([peer.dequantize(l["w1"], l["w1_scale"], 2) if fmt != "bf16" else l["w1"] for l in layers])
-    w2 = jnp.stack([peer.dequantize(l["w2"], l["w2_scale"], 1) if fmt != "bf16" else l["w2"] for l in layers])
-    moe["w1"], moe["w3"], moe["w2"] = (x.astype(jnp.bfloat16) for x in (w13[:, :, 0], w13[:, :, 1], w2))
-    return dict(params, moe=moe)
-
-
 @needs_wheel
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_peer_step_computes_the_reference_on_its_experts(fmt):
     """mini-tp8, B = 1 and 3 (one padded row), 3 steps: the peer step (with `ref_moe` standing for the
@@ -161,7 +152,7 @@ def test_peer_step_computes_the_reference_on_its_experts(fmt):
     The int formats' own error, against the bf16 experts, is larger (int4: 0.6-0.9) and is no bug."""
     from mk.model.params import init
     params = init(TP8, 0)
-    ref_params = _dequantized(params, TP8, fmt)
+    ref_params = peer.as_stored(params, TP8, fmt)
     for batch in (1, 3):
         logit_err, cache_err = _run(TP8, params, ref_params, fmt, batch)
         assert logit_err <= LOGIT_TOL and cache_err <= CACHE_TOL, (fmt, batch, logit_err, cache_err)

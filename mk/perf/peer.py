@@ -266,6 +266,18 @@ def peer_params(params: dict, cfg: K3Config, fmt: str = "bf16", experts: str = "
     return dict(params, moe={k: v for k, v in moe.items() if k not in EXPERT_FAMILIES}, peer=layers)
 
 
+def as_stored(params: dict, cfg: K3Config, fmt: str, block: int | None = None) -> dict:
+    """bf16 `mk.model.params` with each routed expert replaced by what `fmt` stores (dequantized,
+    rounded to bf16): the reference on these is the function the peer step computes in `fmt`."""
+    moe = dict(params["moe"])
+    layers = peer_params(params, cfg, fmt, block=block)["peer"]
+    deq = lambda l, n, axis: dequantize(l[n], l[n + "_scale"], axis) if fmt != "bf16" else l[n]
+    w13 = jnp.stack([deq(l, "w1", 2) for l in layers])                       # [n_moe, E, 2, Lt, Fe]
+    w2 = jnp.stack([deq(l, "w2", 1) for l in layers])
+    moe["w1"], moe["w3"], moe["w2"] = (bf(x) for x in (w13[:, :, 0], w13[:, :, 1], w2))
+    return dict(params, moe=moe)
+
+
 # ---- the step ----------------------------------------------------------------------------------------
 def gating(ids: jax.Array, weights: jax.Array, experts: int) -> jax.Array:
     """ids [B, k] int32, weights [B, k] f32 -> gating_output [B, E] bf16: logit(w) at the chosen
