@@ -5,6 +5,8 @@
 #                        devices, MXFP4 experts on both MXU paths, 4 and 2 devices (~20 min)
 #   make lab   - open the notebooks interactively in JupyterLab (LAB_ARGS="--no-browser --ip=0.0.0.0" on a VM)
 #   make tpu-wheels - wheels for a TPU VM without network (JAX preinstalled there) -> .whl-tpu/ and .whl-tpu/env.sh
+#   make peer  - install the peer for `mk bench --impl peer` (tpu-inference 0.26.0, the release for jax 0.10.2)
+#                without its dependencies; make peer-wheels downloads its wheel into .whl-tpu/ instead
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -12,7 +14,7 @@ STAMP  := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: run test venv demo clean browser lab check-sharded tpu-wheels
+.PHONY: run test venv demo clean browser lab check-sharded tpu-wheels peer peer-wheels
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +85,16 @@ tpu-wheels:   # starts from an empty .whl-tpu/: two versions of one package woul
 	  > $(TPU_WHEELS_DIR)/env.sh
 	@echo "$(TPU_WHEELS_DIR)/: $$(ls $(TPU_WHEELS_DIR)/*.whl | wc -l) wheels, $$(du -sh $(TPU_WHEELS_DIR) | cut -f1);" \
 	  "carry it to the TPU VM and run 'source $(TPU_WHEELS_DIR)/env.sh && python3 -m mk ...' from the repository root"
+# vLLM TPU's fused MoE kernel, alone: --no-deps leaves out vLLM's serving stack and the wheel's own pins
+# (libtpu 0.0.43, torchvision, fastapi, ...); mk loads the kernel's module without importing vLLM.
+PEER_WHEEL ?= tpu-inference==0.26.0
+PEER_WHEELS ?= .whl-tpu
+peer: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(PEER_WHEEL)
+
+peer-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d $(PEER_WHEELS) $(PEER_WHEEL)
+	@echo "$(PEER_WHEELS)/: carry it; install there with pip install --no-index --no-deps $(PEER_WHEELS)/tpu_inference-*.whl"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

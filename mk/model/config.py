@@ -325,7 +325,21 @@ PRESETS: dict[str, K3Config] = {
     # vocab 32768. 3.0 B parameters, 6.0 GB in bf16: the kernel's packed weights and an XLA step's
     # fit one TPU v5e side by side. The notebooks' and `mk bench`'s default on a TPU.
     "k3-chip": K3Config(layers=3, experts=16, top_k=8, heads=32, vocab=32768, full_attention=(2,)),
+    # The seed's depth on one 16 GiB chip (`DEPTH_PRESETS`): the K3 layer pattern (dense KDA layer 0,
+    # MLA at every fourth layer from 3 -- KDA:MLA 3:1, the last layer MLA -- AttnRes blocks of 12
+    # layers), 16 experts top-8, vocab 32768, widths thinner as layers multiply so that a step at
+    # B = 1 reads 4.0-4.4 GB of bf16 weights (k3-chip: 4.5). Latent widths are multiples of 256 (the
+    # peer MoE kernel's bf16 token packing; K3's latent is dim / 2). docs/tpu.md has the table.
+    "k3-d12": K3Config(layers=12, dim=3584, latent=1792, expert_hidden=1536, dense_hidden=16896, experts=16,
+                       top_k=8, heads=24, vocab=32768, full_attention=tuple(range(3, 12, 4))),
+    "k3-d24": K3Config(layers=24, dim=2560, latent=1280, expert_hidden=1024, dense_hidden=12288, experts=16,
+                       top_k=8, heads=16, q_rank=1024, vocab=32768, full_attention=tuple(range(3, 24, 4))),
+    "k3-d48": K3Config(layers=48, dim=1792, latent=1024, expert_hidden=768, dense_hidden=8448, experts=16,
+                       top_k=8, heads=12, q_rank=768, vocab=32768, full_attention=tuple(range(3, 48, 4))),
 }
+
+# k3-chip's matrix widths at 3 layers, then the seed's depth at thinner widths (`mk bench` on one v5e).
+DEPTH_PRESETS = ("k3-chip", "k3-d12", "k3-d24", "k3-d48")
 
 
 def get_config(name_or_path: "str | K3Config") -> K3Config:
