@@ -11,7 +11,7 @@ one jitted `chunk` runs up to N decode steps of any step function in a `lax.whil
 the reference `mk.model.reference.decode_step`, the sharded reference) with the cache donated and
 kept on the device. Each iteration samples the next token of every row on the device
 (`mk.model.reference.sample`: greedy, temperature, top-p; the PRNG key split on the device exactly as
-the host loop splits it, so both draw the same tokens), emits it for rows still running and the pad
+the host loop splits it: with the same logits both draw the same tokens), emits it for rows still running and the pad
 value for finished ones, and marks a row done when it emits a stop id or its `max_new` tokens. The
 loop ends after N steps or when every row is done. Rows that finished keep stepping (the batch is
 one step) on their last token; their positions stay below prompt + max_new <= ctx, the bound the
@@ -74,7 +74,13 @@ class LoopStep(NamedTuple):
 
 def reference_step(params: dict, cfg: K3Config) -> LoopStep:
     """The pure-JAX reference decode step (the oracle)."""
-    return LoopStep(functools.partial(ref.decode_step, cfg=cfg), params)
+    return LoopStep(_reference_fn(cfg), params)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_fn(cfg: K3Config):
+    """One function object per config, so the jitted chunk and prefill programs are reused across runs."""
+    return functools.partial(ref.decode_step, cfg=cfg)
 
 
 def loop_step_of(step_fn, params: dict, cfg: K3Config) -> LoopStep:
@@ -84,7 +90,7 @@ def loop_step_of(step_fn, params: dict, cfg: K3Config) -> LoopStep:
     if step_fn is None:
         return reference_step(params, cfg)
     made = getattr(step_fn, "loop_step", None)
-    return made if made is not None else LoopStep(step_fn, params)
+    return made(params) if made is not None else LoopStep(step_fn, params)
 
 
 # ---- on the device -----------------------------------------------------------------------------
@@ -134,10 +140,22 @@ def decode_chunk(fn: Callable, weights, cache: dict, state: dict, *, n: int, sam
 
 
 def make_chunk(step: LoopStep, n: int, sampling: Sampling):
-    """chunk(weights, cache, state) -> (cache, state, tokens [B, n], done [B]), jitted, the cache donated."""
+    """chunk(weights, cache, state) -> (cache, state, tokens [B, n], done [B]), jitted, the cache donated
+    (one per step function, chunk size and sampling: compiled programs are reused)."""
     if n < 1:
         raise LoopError(f"--chunk must be at least 1 step, found {n}")
-    return jax.jit(functools.partial(decode_chunk, step.fn, n=n, sampling=sampling), donate_argnums=(1,))
+    return _jitted(decode_chunk, step.fn, n=n, sampling=sampling)
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(body, fn, **static):
+    """jax.jit(body(fn, weights, cache, ...)) with the cache donated, one per (body, fn, static)."""
+    return jax.jit(functools.partial(body, fn, **static), donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=32)
+def _first_jitted(sampling: Sampling):
+    return jax.jit(functools.partial(first_token, sampling=sampling))
 
 
 # ---- prefill ---------------------------------------------------------------------------------------
@@ -161,7 +179,7 @@ def make_prefill(mode: str, step: LoopStep, params: dict, cfg: K3Config):
     "parallel": `mk.model.prefill.prefill(params, cache, tokens, lengths, cfg)` (all positions at
     once, on the reference's params; the caches have the reference's layout, which every step shares)."""
     if mode == "sequential":
-        run = jax.jit(functools.partial(_sequential, step.fn), donate_argnums=(1,))
+        run = _jitted(_sequential, step.fn)
         sequential = lambda cache, tokens: run(step.weights, cache, tokens)
         sequential.compile = lambda cache, tokens: run.lower(step.weights, cache, tokens).compile()
         return sequential
@@ -221,7 +239,7 @@ def generate(step: LoopStep, cfg: K3Config, prompt, max_new_tokens: int, *, samp
     check_run(cfg, prompt, max_new_tokens, ctx, chunk)
     run_prefill = make_prefill(prefill, step, params, cfg)
     chunk_fn = make_chunk(step, chunk, sampling)
-    first = jax.jit(functools.partial(first_token, sampling=sampling))
+    first = _first_jitted(sampling)
 
     t_compile = time.perf_counter()
     tokens = jnp.asarray(prompt)
