@@ -13,7 +13,7 @@ JSON object instead: tokens (one list per row), prompt_tokens, compile_s (prefil
 programs, before the clock starts), ttft_s (time to first token on the host), prefill_s,
 prefill_tokens_per_s, decode_s, tokens_per_s (decode tokens/s: tokens after each row's first /
 decode_s), chunk, chunks, decode_steps, backend, config, and the sampling settings. `--prefill
-sequential` (default) runs the prompt through the decode step in one dispatch; `parallel` calls
+sequential` (default) runs the prompt through the decode step token by token (no host sync); `parallel` calls
 `mk.model.prefill` where this build has it. `--loop host` is the per-token host loop
 (`mk.model.reference.generate`: prefill_s there includes compiling the step); `--speculative`
 and multi-process runs use it.
@@ -362,7 +362,7 @@ def add_parser(subparsers):
                    help="device: chunks of --chunk steps on the device (default); host: one dispatch and one "
                         "sync per token (the default for --speculative and multi-process runs)")
     p.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
-                   help="sequential: the prompt through the decode step, token by token, in one dispatch "
+                   help="sequential: the prompt through the decode step, token by token, without a host sync "
                         "(default); parallel: mk.model.prefill, all positions at once")
     add_step_options(p)
     from mk.cli.distributed import add_distributed_args

@@ -80,7 +80,7 @@ def reference_step(params: dict, cfg: K3Config) -> LoopStep:
 @functools.lru_cache(maxsize=None)
 def _reference_fn(cfg: K3Config):
     """One function object per config, so the jitted chunk and prefill programs are reused across runs."""
-    return functools.partial(ref.decode_step, cfg=cfg)
+    return jax.jit(lambda weights, cache, tokens: ref.decode_step(weights, cache, tokens, cfg=cfg))
 
 
 def loop_step_of(step_fn, params: dict, cfg: K3Config) -> LoopStep:
@@ -161,27 +161,25 @@ def _first_jitted(sampling: Sampling):
 # ---- prefill ---------------------------------------------------------------------------------------
 
 def _sequential(fn, weights, cache, tokens):
-    """tokens [B, T] one position at a time through the step, on the device -> (last logits, cache)."""
-    def body(c, tok):
-        logits, c = fn(weights, c, tok)[:2]
-        return c, logits
-    first, c = fn(weights, cache, tokens[:, 0])[:2]
-    if tokens.shape[1] == 1:
-        return first, c
-    c, logits = jax.lax.scan(body, c, tokens[:, 1:].T)
-    return logits[-1], c
+    """tokens [B, T] one position at a time through the step -> (last logits [B, V], cache). Each
+    position is one dispatch of the step's own jitted program (the one a host loop or a trace of the
+    step runs: no second compile), queued without a host sync."""
+    logits = None
+    for t in range(tokens.shape[1]):
+        logits, cache = fn(weights, cache, tokens[:, t])[:2]
+    return logits, cache
 
 
 def make_prefill(mode: str, step: LoopStep, params: dict, cfg: K3Config):
     """prefill(cache, tokens [B, T] int32) -> (logits after each row's last token [B, V] f32, cache).
 
-    "sequential": the decode step over the prompt, token by token, in one dispatch (a `lax.scan`).
+    "sequential": the decode step over the prompt, token by token (`_sequential`; `mk.model.reference.generate`'s prefill).
     "parallel": `mk.model.prefill.prefill(params, cache, tokens, lengths, cfg)` (all positions at
     once, on the reference's params; the caches have the reference's layout, which every step shares)."""
     if mode == "sequential":
-        run = _jitted(_sequential, step.fn)
-        sequential = lambda cache, tokens: run(step.weights, cache, tokens)
-        sequential.compile = lambda cache, tokens: run.lower(step.weights, cache, tokens).compile()
+        sequential = lambda cache, tokens: _sequential(step.fn, step.weights, cache, tokens)
+        if hasattr(step.fn, "lower"):                 # a jitted step: compiled ahead of the clock
+            sequential.compile = lambda cache, tokens: step.fn.lower(step.weights, cache, tokens[:, 0]).compile()
         return sequential
     if mode != "parallel":
         raise LoopError(f"--prefill must be one of {', '.join(PREFILL_MODES)}, found {mode!r}")
