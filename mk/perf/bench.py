@@ -543,3 +543,135 @@ def _kernel_step(plan, params: dict, cache: dict):
     weights = cache["weights"]
     fn = make_decode_step(plan)
     return lambda c, t: fn(weights, c, t)
+
+
+# ---- mk bench --mode generate: the device loop against the device step rate -----------------------
+GENERATE_IMPLS = ("kernel", "xla")
+
+
+def _kernel_loop_step(plan, params: dict, cache: dict):
+    """The kernel's step as an `mk.model.loop.LoopStep` on packed weights shared across batches
+    (`pack_key`, as `_kernel_step`)."""
+    from mk.kernel.step import kernel_weights
+    from mk.kernel.decode import make_decode_step
+    from mk.model.loop import LoopStep
+    key = pack_key(plan)
+    if cache["key"] != key:
+        cache["weights"] = None
+        gc.collect()
+        cache["weights"] = kernel_weights(plan, params)
+        cache["key"] = key
+    return LoopStep(make_decode_step(plan), cache["weights"])
+
+
+def generate_row(step, cfg: K3Config, batch: int, tokens: np.ndarray, steps: int, chunk: int, ctx: int,
+                 device_steps: int, host_steps: int) -> dict:
+    """One case of `measure_generate`: a `LoopStep` timed three ways.
+
+    loop: `mk.model.loop.generate` from a 1-token prompt per row (tokens [B]), greedy, `steps` decode
+    steps in chunks of `chunk` (a first run of one chunk compiles, untimed); loop_tok_s = B x steps /
+    decode_s (first token on the host to the last chunk on the host). device: the step's own device
+    time from a `jax.profiler` trace (`device_step_times`, as `mk bench`); device_tok_s = B / it, the
+    rate the loop would reach with no gap between steps. host: the per-token host loop's wall clock
+    (`time_steps`, each step timed to `block_until_ready`, as `mk bench`)."""
+    from mk.model import loop, reference
+    prompt = np.asarray(tokens, np.int32).reshape(batch, 1)
+    warm = loop.generate(step, cfg, prompt, chunk + 1, ctx=ctx, chunk=chunk)           # compiles
+    res = loop.generate(step, cfg, prompt, steps + 1, ctx=ctx, chunk=chunk)
+    row = {"chunk": chunk, "decode_steps": res["decode_steps"], "decode_s": res["decode_s"],
+           "compile_s": warm["compile_s"], "ttft_s": res["ttft_s"],
+           "loop_step_ms": 1e3 * res["decode_s"] / max(res["decode_steps"], 1),
+           "loop_tok_s": batch * res["decode_steps"] / res["decode_s"]}
+    fn = lambda c, t: step.fn(step.weights, c, t)
+    tok = jnp.asarray(prompt[:, 0])
+    row["device_step_ms"] = None
+    if device_steps:
+        dev = device_step_times(fn, step.place(reference.init_cache(cfg, batch, ctx)), tok, device_steps)
+        row["device_step_ms"] = statistics.median(dev) * 1e3 if dev else None
+    row["device_tok_s"] = batch / (row["device_step_ms"] / 1e3) if row["device_step_ms"] else None
+    row["frac_of_device"] = row["loop_tok_s"] / row["device_tok_s"] if row["device_tok_s"] else None
+    row["host_step_ms"] = None
+    if host_steps:
+        host = time_steps(fn, lambda: step.place(reference.init_cache(cfg, batch, ctx)),
+                          np.tile(prompt[:, 0], (host_steps + 2, 1)), 2, ctx)
+        row["host_step_ms"] = statistics.median(host) * 1e3
+    row["host_tok_s"] = batch / (row["host_step_ms"] / 1e3) if row["host_step_ms"] else None
+    row["loop_speedup"] = row["loop_tok_s"] / row["host_tok_s"] if row["host_tok_s"] else None
+    return row
+
+
+def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16",
+                     impls: Sequence[str] = GENERATE_IMPLS, steps: int = 128, chunk: int = 16, *, seed: int = 0,
+                     ctx: int = 256, device_steps: int = 5, host_steps: int = 20, mxfp4_unpack: str = "auto",
+                     params: dict | None = None) -> list[dict]:
+    """Decode tokens/s of the device loop (`mk.model.loop`) for the kernel and the fair XLA step at
+    each batch, beside the step's device rate and the host loop's; rows as `generate_row` plus impl,
+    batch, experts, error. Off a TPU it refuses, like `measure`."""
+    from mk.kernel.plan import MAX_ROWS, make_plan
+    from mk.model.layout import PlanError
+    from mk.model.loop import LoopStep
+    from mk.model.params import init_fast
+    from mk.perf import baseline
+
+    require_tpu()
+    impls = tuple(impls)
+    bad = [i for i in impls if i not in GENERATE_IMPLS]
+    if bad or not impls:
+        raise BenchError(f"--impl: unknown {bad or 'empty list'} for --mode generate; expected some of "
+                         f"{', '.join(GENERATE_IMPLS)}")
+    if experts not in ("bf16", "mxfp4"):
+        raise BenchError(f"--experts: expected bf16 or mxfp4, found {experts!r}")
+    bad = [b for b in batches if not 1 <= b <= MAX_ROWS]
+    if bad or not batches:
+        raise BenchError(f"--batch: each batch must lie in 1..{MAX_ROWS}, found {list(batches)}")
+    if chunk < 1:
+        raise BenchError(f"--chunk must be at least 1 step, found {chunk}")
+    if not 1 <= steps <= ctx - 2:
+        raise BenchError(f"--steps must lie in 1..{ctx - 2} (the cache holds {ctx} positions), found {steps}")
+    device = jax.devices()[0]
+    chips = chip_of_device(device.device_kind)
+    plan_chip, hw_chip = chips if chips else ("v5e", None)
+    name = _config_name(cfg)
+    check_fits(cfg, device_bytes_needed(cfg, experts, impls, batches, ctx, plan_chip), device, hw_chip, name)
+    t0 = time.perf_counter()
+    params = params if params is not None else jax.block_until_ready(init_fast(cfg, seed, experts))
+    log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
+    rng = np.random.default_rng(seed)
+    tokens = {B: rng.integers(0, cfg.vocab, (B,)).astype(np.int32) for B in batches}
+    plan_kw = {}
+    if mxfp4_unpack != "auto":
+        import dataclasses
+        from mk.kernel.plan import MK
+        plan_kw["options"] = dataclasses.replace(MK, mxfp4_unpack=mxfp4_unpack)
+    rows = []
+
+    def run_case(impl, B, make_step):
+        row = {"impl": impl, "batch": B, "experts": experts, "error": None}
+        t = time.perf_counter()
+        try:
+            row.update(generate_row(make_step(), cfg, B, tokens[B], steps, chunk, ctx, device_steps, host_steps))
+        except Exception as e:                     # a case that does not compile or run: say why, go on
+            msg = str(e).strip().splitlines()
+            row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+        row["wall_s"] = time.perf_counter() - t
+        rows.append(row)
+        log(f"B={B} {impl} loop: " + (f"{row['loop_tok_s']:.1f} tok/s ({row['loop_step_ms']:.3f} ms/step), device "
+                                      f"{row['device_step_ms']} ms/step, host loop {row['host_step_ms']} ms/step, "
+                                      if row["error"] is None else f"{row['error']}, ") + f"{row['wall_s']:.1f} s")
+
+    if "kernel" in impls:
+        try:
+            plans = {B: make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw) for B in batches}
+        except PlanError as e:
+            raise BenchError(f"the kernel's plan (--mxfp4-unpack {mxfp4_unpack}): {e}") from None
+        kernel_cache = {"key": None, "weights": None}
+        for B in batches:
+            run_case("kernel", B, lambda B=B: _kernel_loop_step(plans[B], params, kernel_cache))
+        kernel_cache.clear()
+        gc.collect()
+    if "xla" in impls:
+        xla = LoopStep(baseline.make_baseline_step(cfg, experts, "loop"), params)
+        for B in batches:
+            run_case("xla", B, lambda: xla)
+    order = {i: n for n, i in enumerate(impls)}
+    return sorted(rows, key=lambda r: (r["batch"], order[r["impl"]]))
