@@ -83,8 +83,8 @@ def chunked_delta_rule(state, q, k, v, g, beta, chunk: int):
         S_t = diag(e^G_t) (S0 + sum_{s<=t} (k_s e^-G_s) u_s^T),
         (I + A) U = diag(beta) (V - (K e^G) S0),  A[t, s] = beta_t (k_t e^G_t) . (k_s e^-G_s), s < t,
         O = (Q e^G) S0 + [(Q e^G)(K e^-G)^T]_{s<=t} U,   S_end = e^G_end S0 + (K e^(G_end - G))^T U.
-    U = W_v - W_k S0 with W = (I + A)^-1 diag(beta) [V | K e^G] found without the state (forward
-    substitution, all sub-chunks at once); only the four products with S0 chain sub-chunk to
+    U = W_v - W_k S0 with W = (I + A)^-1 diag(beta) [V | K e^G] found without the state ((I + A)^-1
+    by forward substitution, all sub-chunks at once); only the four products with S0 chain sub-chunk to
     sub-chunk. |G| <= chunk * |gate_lower_bound| keeps e^+-G finite (`kda_chunk`).
     """
     B, H, T, D = q.shape
@@ -98,15 +98,14 @@ def chunked_delta_rule(state, q, k, v, g, beta, chunk: int):
     below = t_idx[:, None] > t_idx[None, :]
     A = jnp.where(below, beta[..., None] * _mm("...td,...sd->...ts", k_in, k_out), 0.0)
     Pq = jnp.where(below | (t_idx[:, None] == t_idx[None, :]), _mm("...td,...sd->...ts", q_in, k_out), 0.0)
-    # forward substitution of (I + A) W = diag(beta) [V | K e^G], row by row (A strictly lower)
-    # (rows t.. of W still hold X, and A[t, s>=t] = 0, so row t is X_t - sum_s A[t, s] W_s)
-    X = beta[..., None] * jnp.concatenate([v, k_in], axis=-1)                 # [B, H, n, c, 2D]
-
-    def substitute(t, W):
+    # (I + A)^-1 by forward substitution, row by row: rows t.. of M still hold I's and A[t, s>=t] = 0,
+    # so row t is e_t - sum_s A[t, s] M_s. On the [c, c] blocks, then one product with the values.
+    def substitute(t, M):
         a_t = jax.lax.dynamic_index_in_dim(A, t, axis=3, keepdims=False)       # [B, H, n, c]
-        x_t = jax.lax.dynamic_index_in_dim(X, t, axis=3, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(W, x_t - jnp.sum(a_t[..., None] * W, axis=3), t, axis=3)
-    W = jax.lax.fori_loop(1, chunk, substitute, X)
+        e_t = jax.lax.dynamic_index_in_dim(M, t, axis=3, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(M, e_t - jnp.sum(a_t[..., None] * M, axis=3), t, axis=3)
+    inv = jax.lax.fori_loop(1, chunk, substitute, jnp.broadcast_to(jnp.eye(chunk, dtype=F32), A.shape))
+    W = _mm("...ts,...sd->...td", inv, beta[..., None] * jnp.concatenate([v, k_in], axis=-1))
     w_v, w_k = W[..., :D], W[..., D:]
     decay_end = jnp.exp(G[:, :, :, -1])                                        # [B, H, n, D]
 
