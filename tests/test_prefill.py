@@ -184,3 +184,14 @@ def test_prefill_flops():
     assert extra == pytest.approx(2 * 16 * cfg.n_moe * 3 * cfg.latent * cfg.expert_hidden)
     assert "vector" not in one["by_category"]
     assert prefill_flops(get_config("k3-chip"), 1024)["total"] == pytest.approx(4.61e12, rel=0.01)
+
+
+def test_prefill_bench_refuses_off_tpu():
+    """Timing is for the chip only (CPU or interpret mode is no speed claim): one line, before any work."""
+    from mk.errors import UserError
+    from mk.perf.prefill import prefill_bench
+    if jax.default_backend() == "tpu":
+        pytest.skip("on a TPU the bench runs")
+    with pytest.raises(UserError, match="on a TPU") as e:
+        prefill_bench(get_config("mini"), (8,), log=lambda m: pytest.fail(f"bench started: {m}"))
+    assert "\n" not in str(e.value)
