@@ -10,19 +10,19 @@
 # Everything lands in DIR/records.tgz (a lent machine returns at most 8 files).
 set -u
 FINAL=${OUT:?OUT must name a folder}
-export OUT=$(mktemp -d)
+[ "${DIRECT:-0}" = 1 ] || export OUT=$(mktemp -d)   # DIRECT=1: the steps' files straight into OUT (at most 8)
 STEP_PAUSE=2 source docs/tpu-v5e/steps.sh
 case "${1:?which call: base}" in
   base)
      step microbench 200 python3 -m mk microbench --json --write "$OUT/microbench.csv"
      step check-k3chip-mxfp4 360 python3 -m mk check --config k3-chip --batch 8 --steps 4 --json ;;
   peergen)   # the peer, the device loop and the parallel prefill at k3-chip, bf16 (~6.5 min)
-     step bench-k3chip-bf16-peer 180 python3 -m mk bench --config k3-chip --experts bf16 --impl kernel,xla,peer \
+     step bench-k3chip-bf16-peer 170 python3 -m mk bench --config k3-chip --experts bf16 --impl kernel,xla,peer \
        --batch 1,8 --steps 10 --json
-     step generate-k3chip-bf16 120 python3 -m mk bench --mode generate --config k3-chip --experts bf16 --batch 1,8 \
+     step generate-k3chip-bf16 110 python3 -m mk bench --mode generate --config k3-chip --experts bf16 --batch 1,8 \
        --impl kernel,xla --steps 64 --chunk 16 --json
-     step prefill-k3chip-bf16 90 python3 docs/tpu-v5e/prefill_bench.py --config k3-chip --experts bf16 \
+     step prefill-k3chip-bf16 80 python3 docs/tpu-v5e/prefill_bench.py --config k3-chip --experts bf16 \
        --lengths 1024 --token-lengths 1024 --reps 2 ;;
   *) echo "run-records.sh: no call $1 (base, peergen)" >&2; exit 2 ;;
 esac
-tar czf "$FINAL/records.tgz" -C "$OUT" .
+[ "$OUT" = "$FINAL" ] || tar czf "$FINAL/records.tgz" -C "$OUT" .
