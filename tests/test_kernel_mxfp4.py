@@ -280,7 +280,7 @@ def _run_fp8_tile(x, codes, scales, m, unpack="bitcast"):
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("unpack", ["pairs", "shift", "bitcast"])
+@pytest.mark.parametrize("unpack", ["pairs", "pairs_mul", "shift", "bitcast"])
 def test_fp8_path_sums_group_partials_in_order(unpack):
     """One MXFP4 tile on the fp8 MXU path (`fp8_tile_product`: e4m3 codes, block-diagonal LHS, group
     partials scaled by 2^(s - 127)) equals, bit for bit, the fp32 sum over the 32-row groups in order of

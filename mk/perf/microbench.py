@@ -24,7 +24,7 @@ launch, the first DMA and the final write-back cancel.
           too large for the registers (vector_bw: bytes read + written).
   dequant the kernel's own product of an 8-row bf16 LHS with an MXFP4 [DEQ_K, DEQ_N] tile in
           VMEM, unpacked in registers straight into the MXU (`mk.kernel.ring.mxfp4_tile_product`),
-          repeated, by each unpack every TPU lowers ('pairs', 'shift'): weights per second. That
+          repeated, by each unpack every TPU lowers (`DEQUANT_UNPACKS`): weights per second. That
           of the chip's own unpack (`mk.kernel.plan.MXFP4_UNPACK`) times its vector ops per weight
           (`mk.kernel.schedule.DEQUANT_OPS`) is `dequant_op_rate`, the rate the simulator charges
           the MXFP4 unpack at (a dependent FMA chain, `vector_flops`, measures the VPU's latency
