@@ -144,7 +144,7 @@ def _rng():
 
 # ---- reading the bundles ------------------------------------------------------------------------
 _OP = re.compile(r"= ([a-z][a-z0-9_.]*)|\{ ?([a-z][a-z0-9_.]*) ")
-NOT_ALU = ("vld", "vst", "vmatpush", "vmatmul", "vpop", "vsyncpa", "vsyncadd", "vdelay", "vmov")
+NOT_ALU = ("vld", "vst", "vmatpush", "vmatmul", "vpop", "vsyncpa", "vsyncadd", "vdelay", "vmov", "vphi")
 
 
 def _ops(bundle: str) -> list[str]:

@@ -44,7 +44,7 @@ from mk.kernel.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError,
 #           ALU ops of 1024 lanes, 6.0 per weight);
 #       'pairs_mul': the same words, `pair_bits_mul` (9, 9, 10, 9: integer multiplies lay the mask and
 #           the sign), the quarter of `nonzero_bits` and the exponent pair: 11.25 per pair, so 5.625
-#           per weight (`docs/tpu-v5e/llo_unpack.py`: 1672 -> 1481 vector ALU ops per tile, 0.89x);
+#           per weight (`docs/tpu-v5e/llo_unpack.py`: 1668 -> 1477 vector ALU ops per tile, 0.89x);
 #   ('fp8', *): the e4m3 tile stored to VMEM, then a block-diagonal LHS (`fp8_tile_product`);
 #       'bitcast': the seed (spec 3.5): one fp4 -> fp8 conversion per weight, the E8M0 group scales
 #           applied to [B, T/32, N] partial products (per group, not per weight): 1;
