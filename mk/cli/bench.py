@@ -49,7 +49,7 @@ def add_parser(subparsers):
     p.add_argument("--peer-format", choices=("bf16", "int8", "int4"), default=None,
                    help="the peer's expert format (default bf16 with --experts bf16, int4 with mxfp4)")
     p.add_argument("--prefetch-depth", type=at_least(0), default=None, help="the kernel's prefetch depth")
-    p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "shift", "bitcast"), default="auto",
+    p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "pairs_mul", "shift", "bitcast"), default="auto",
                    help="how the kernel unpacks MXFP4 codes (`mk check --help`); default the chip's")
     p.add_argument("--seed", type=at_least(0), default=0, help="weights and tokens seed")
     p.add_argument("--json", action="store_true", help="print {metadata, rows} as JSON")

@@ -24,7 +24,7 @@ launch, the first DMA and the final write-back cancel.
           too large for the registers (vector_bw: bytes read + written).
   dequant the kernel's own product of an 8-row bf16 LHS with an MXFP4 [DEQ_K, DEQ_N] tile in
           VMEM, unpacked in registers straight into the MXU (`mk.kernel.ring.mxfp4_tile_product`),
-          repeated, by each unpack every TPU lowers ('pairs', 'shift'): weights per second. That
+          repeated, by each unpack every TPU lowers (`DEQUANT_UNPACKS`): weights per second. That
           of the chip's own unpack (`mk.kernel.plan.MXFP4_UNPACK`) times its vector ops per weight
           (`mk.kernel.schedule.DEQUANT_OPS`) is `dequant_op_rate`, the rate the simulator charges
           the MXFP4 unpack at (a dependent FMA chain, `vector_flops`, measures the VPU's latency
@@ -211,7 +211,7 @@ def dequant_call(reps: int, interpret=False, unpack: str = "shift"):
         interpret=interpret, name=f"mk_microbench_dequant_{unpack}")
 
 
-DEQUANT_UNPACKS = ("pairs", "shift")      # the unpacks every TPU lowers (`mk.kernel.plan.MXFP4_UNPACK`)
+DEQUANT_UNPACKS = ("pairs", "pairs_mul", "shift")      # the unpacks every TPU lowers (`mk.kernel.plan.MXFP4_UNPACK`)
 
 
 def dequant_args(rng, unpack: str = "shift") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -228,12 +228,12 @@ def dequant_args(rng, unpack: str = "shift") -> tuple[np.ndarray, np.ndarray, np
 def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray, unpack: str = "shift") -> np.ndarray:
     """numpy: the `unpack` layout's words [..., rows, DEQ_N] -> the tiles' values f32 [..., DEQ_K, DEQ_N]
     (code value x 2^(s - 127))."""
-    from mk.kernel.packing import pairs_nibble
+    from mk.kernel.packing import UNPACK_LAYOUT, pairs_nibble
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     c, s = np.asarray(codes_words).view(np.uint32), np.asarray(scale_words).view(np.uint32)
     n = c.shape[-1]
     part = [(c >> np.uint32(4 * j)) & 15 for j in range(8)]                                # [..., DEQ_K / 8, n] each
-    if unpack == "pairs":      # part j + 4h of word w: row j DEQ_K / 4 + 2w + h, re-encoded
+    if UNPACK_LAYOUT[unpack] == "pairs":      # part j + 4h of word w: row j DEQ_K / 4 + 2w + h, re-encoded
         codes = pairs_nibble(np.concatenate([np.stack(part[j::4], axis=-2).reshape(*c.shape[:-2], -1, n)
                                              for j in range(4)], axis=-2))
     else:
