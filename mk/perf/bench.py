@@ -213,6 +213,8 @@ def summary(rows: list[dict]) -> str:
     key, frac = ("device_median_ms", "device_frac_stream") if device else ("median_ms", "frac_stream")
     out = (f"kernel {'device' if device else 'wall'} {_series(kern.get(b, {}).get(key) for b in batches)} ms at "
            f"B = {' / '.join(map(str, batches))}; {_series((kern.get(b, {}).get(frac) for b in batches))} of stream")
+    if any(r.get("distinct_source", "").startswith("expected") for r in kern.values()):
+        out += " (bytes of uniform routing's expected experts: no XLA step counted the routed ones)"
     best = {}
     for r in rows:
         if r["impl"] in OTHERS and r.get(key) and (r["batch"] not in best or r[key] < best[r["batch"]][key]):
