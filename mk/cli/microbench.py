@@ -13,6 +13,7 @@ import json
 import sys
 
 from mk.cli.common import positive_int
+from mk.errors import writable_path
 
 
 def add_parser(subparsers):
@@ -34,6 +35,8 @@ def run(args) -> int:
     from mk.perf import microbench as mb
     from mk.cli.common import progress
 
+    if args.write:                                 # before minutes of timing, and before the TPU check
+        writable_path(args.write, "--write")
     if args.check or args.compile:
         out = {}
         if args.check:

@@ -212,15 +212,26 @@ class K3Config:
                 raise ConfigError(f"{path}: config.json not found") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: the top level must be a JSON object, found {type(raw).__name__}")
         cfg = raw.get("text_config", raw)
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: 'text_config' must be an object")
         lin = cfg.get("linear_attn_config", {})
+        if not isinstance(lin, Mapping):
+            raise ConfigError(f"{where}: 'linear_attn_config' must be an object, found {type(lin).__name__}")
 
         def get(key: str, table: Mapping = cfg, prefix: str = ""):
             if key not in table:
                 raise ConfigError(f"{where}: missing key '{prefix}{key}'")
             return table[key]
+
+        def get_float(key: str, table: Mapping = cfg, prefix: str = "") -> float:
+            value = get(key, table, prefix)
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where}: '{prefix}{key}' must be a number, found {value!r}") from None
 
         for key, expected in REQUIRED_SETTINGS.items():
             found = cfg.get(key, _MISSING)
@@ -243,31 +254,32 @@ class K3Config:
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: 'linear_attn_config.full_attn_layers' must be a list of "
                               f"1-based layer numbers, found {layers_1b!r}") from None
+        fields = dict(                     # every key read here first: a missing one names `where` once
+            dim=get("hidden_size"),
+            latent=get("routed_expert_hidden_size"),
+            expert_hidden=get("moe_intermediate_size"),
+            num_shared_experts=get("num_shared_experts"),
+            dense_hidden=get("intermediate_size"),
+            experts=get("num_experts"),
+            top_k=get("num_experts_per_token"),
+            layers=get("num_hidden_layers"),
+            heads=get("num_attention_heads"),
+            head_dim=head_dim,
+            q_rank=get("q_lora_rank"),
+            kv_rank=get("kv_lora_rank"),
+            qk_extra=get("qk_rope_head_dim"),
+            vocab=get("vocab_size"),
+            conv_size=get("short_conv_kernel_size", lin, "linear_attn_config."),
+            residual_block=get("attn_res_block_size"),
+            eps=get_float("rms_norm_eps"),
+            situ_beta=get_float("activation_situ_beta"),
+            situ_linear_beta=get_float("activation_situ_linear_beta"),
+            gate_lower_bound=get_float("gate_lower_bound", lin, "linear_attn_config."),
+            full_attention=full,
+        )
         try:
-            return cls(
-                dim=get("hidden_size"),
-                latent=get("routed_expert_hidden_size"),
-                expert_hidden=get("moe_intermediate_size"),
-                num_shared_experts=get("num_shared_experts"),
-                dense_hidden=get("intermediate_size"),
-                experts=get("num_experts"),
-                top_k=get("num_experts_per_token"),
-                layers=get("num_hidden_layers"),
-                heads=get("num_attention_heads"),
-                head_dim=head_dim,
-                q_rank=get("q_lora_rank"),
-                kv_rank=get("kv_lora_rank"),
-                qk_extra=get("qk_rope_head_dim"),
-                vocab=get("vocab_size"),
-                conv_size=get("short_conv_kernel_size", lin, "linear_attn_config."),
-                residual_block=get("attn_res_block_size"),
-                eps=float(get("rms_norm_eps")),
-                situ_beta=float(get("activation_situ_beta")),
-                situ_linear_beta=float(get("activation_situ_linear_beta")),
-                gate_lower_bound=float(get("gate_lower_bound", lin, "linear_attn_config.")),
-                full_attention=full,
-            )
-        except ConfigError as e:
+            return cls(**fields)
+        except ConfigError as e:           # __post_init__'s checks do not know the file
             raise ConfigError(f"{where}: {e}") from None
 
 
