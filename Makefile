@@ -46,7 +46,7 @@ demo: $(STAMP)
 	$(PY) -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  $(PY) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
 	fi

@@ -18,6 +18,7 @@ logits, every cache array and every greedy token equal (`mk.kernel.check.exact_v
 expert formats and both MXFP4 MXU paths, with the race detector on.
 """
 import dataclasses
+import functools
 
 import pytest
 
@@ -27,9 +28,10 @@ from mk.model.config import get_config
 from mk.kernel.schedule import collective_sequence, collectives_per_step, layer_collectives, phases, remote_bytes_per_step
 
 
-@pytest.fixture(scope="module")
-def tp8():
-    cfg = get_config("mini-tp8")
+@functools.cache
+def _tp8(latent: int = 256):
+    """mini-tp8 (latent 256, or 448: see CASES) and its params, made once per module run."""
+    cfg = get_config("mini-tp8").replace(latent=latent)
     return cfg, params_mod.init(cfg, 0)
 
 
@@ -47,14 +49,21 @@ def _assert_bit_exact(res):
     assert res["replicated_bit_identical"] and not res["replicated_diff"], res["replicated_diff"]
 
 
-# (devices, batch, steps, DMA mode, experts, all-reduce rounds): batch 1, 2, 4 and 8, both DMA
-# modes, 8, 4 and 2 devices, one- and two-round all-reduces. Sized for interpret mode: every
-# collective round is 7 remote DMAs per device on 8 devices, ~4 ms each. On 8 devices the routed
-# experts are MXFP4 (packed, dequantized in VMEM; the reference runs on their dequantization), on 4
-# and 2 bf16 tiles; at B = 1 they meet the MXU as dequantized bf16 tiles, at B = 8 on the fp8 path
-# (group partials: the sharded reference sums the expert matmuls by 32-row group).
-CASES = [(8, 1, 3, "on_wait", "mxfp4", "one_round", "bf16"), (8, 8, 2, "eager", "mxfp4", "one_round", "fp8"),
-         (4, 4, 2, "on_wait", "bf16", "two_round", "bf16"), (2, 2, 3, "on_wait", "bf16", "one_round", "bf16")]
+# (devices, batch, steps, DMA mode, experts, all-reduce rounds, MXFP4 MXU path, latent): batch 1,
+# 2, 4 and 8, both DMA modes, 8, 4 and 2 devices, one- and two-round all-reduces, two steps each
+# (the second from a nonzero KDA state). Sized for interpret mode: every collective round is 7
+# remote DMAs per device on 8 devices, ~4 ms each. On 8 devices the routed experts are MXFP4
+# (packed, dequantized in VMEM; the reference runs on their dequantization), on 4 and 2 bf16 tiles;
+# at B = 1 they meet the MXU as dequantized bf16 tiles, at B = 8 on the fp8 path (group partials:
+# the sharded reference sums the expert matmuls by 32-row group).
+# Latent 448 at B = 1: latent / devices = 56, not a multiple of the 32-row MXFP4 scale group, so
+# rank r's latent slice sits at lane (r * 56) mod 32 of its block (latent_down columns, latent_norm
+# lanes, latent_up rows and the experts' latent rows/columns packed there;
+# `mk.model.layout.latent_offsets`); at B = 8 (latent 256) every slice sits at lane 0. (The sharded
+# reference at latent 448 against `mk.model.reference`, 3 steps, B = 4: logits max |err| 0.036,
+# mean 0.006, inside tests/test_reference_sharded.py's tolerances.)
+CASES = [(8, 1, 2, "on_wait", "mxfp4", "one_round", "bf16", 448), (8, 8, 2, "eager", "mxfp4", "one_round", "fp8", 256),
+         (4, 4, 2, "on_wait", "bf16", "two_round", "bf16", 256), (2, 2, 2, "on_wait", "bf16", "one_round", "bf16", 256)]
 # collective rounds per step on mini-tp8 (4 layers): the embedding sum, then per layer the attention
 # output, then layer 0's dense MLP or the MoE's latent gather, routed sum and output sum; a
 # two-round all-reduce is two rounds
@@ -62,9 +71,10 @@ ROUNDS = {"one_round": 1 + 2 + 4 * 3, "two_round": 2 + 4 + 7 * 3}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,batch,steps,mode,experts,all_reduce,mxfp4_matmul", CASES)
-def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mode, experts, all_reduce, mxfp4_matmul):
-    cfg, params = tp8
+@pytest.mark.parametrize("devices,batch,steps,mode,experts,all_reduce,mxfp4_matmul,latent", CASES)
+def test_sharded_kernel_matches_sharded_reference(devices, batch, steps, mode, experts, all_reduce, mxfp4_matmul,
+                                                  latent):
+    cfg, params = _tp8(latent)
     res = check(cfg, batch, steps, params=params, mesh=devices, detect_races=True,
                 dma_execution_mode=mode, ctx=128, experts=experts, all_reduce=all_reduce, mxfp4_matmul=mxfp4_matmul,
                 exact=True)
@@ -74,19 +84,17 @@ def test_sharded_kernel_matches_sharded_reference(tp8, devices, batch, steps, mo
     _assert_bit_exact(res)
 
 
-@pytest.mark.slow
-def test_sharded_kernel_mxfp4_latent_slices_at_lane_offsets():
-    """latent / devices = 56 (mini-tp8 with latent 448, 8 devices), not a multiple of the 32-row
-    MXFP4 scale group: rank r's latent slice sits at lane (r * 56) mod 32 of its block (latent_down
-    columns, latent_norm lanes, latent_up rows and the experts' latent rows/columns packed there;
-    `mk.model.layout.latent_offsets`). One step, B = 1, bit for bit against the sharded reference. (The
-    sharded reference on this config against `mk.model.reference`, 3 steps, B = 4: logits max |err|
-    0.036, mean 0.006, inside tests/test_reference_sharded.py's tolerances.)"""
-    cfg = get_config("mini-tp8").replace(latent=448)
-    res = check(cfg, 1, 1, params=params_mod.init(cfg, 0), mesh=8, detect_races=True,
-                dma_execution_mode="on_wait", ctx=128, experts="mxfp4", exact=True)
-    assert res["experts"] == "mxfp4"
-    _assert_bit_exact(res)
+def test_latent_448_slices_sit_at_lane_offsets():
+    """The latent-448 case above really places rank slices off lane 0 (and latent 256 does not)."""
+    from mk.kernel.plan import make_plan
+    from mk.model.sharding import default_layout
+
+    def offsets(latent):
+        cfg = _tp8(latent)[0]
+        return make_plan(cfg, 1, experts="mxfp4", layout=default_layout(cfg, 8)).latent_offsets
+
+    assert set(offsets(256)) == {0}
+    assert offsets(448) == tuple(r * 56 % 32 for r in range(8))            # 0, 24, 16, 8, ...
 
 
 def test_plan_collectives_are_the_kernels():

@@ -27,6 +27,7 @@ def test_expected_values_catch_a_wrong_kernel():
     assert not np.allclose(want, 3 * x[:x.shape[0] // 2] @ w, rtol=1e-3)   # the LHS halves alternate
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("topology", ["tpu7x:2x2x1", "v5e:2x2"])
 def test_kernels_compile_at_their_timed_sizes(topology):
     rows = mb.compile_all(topology)
