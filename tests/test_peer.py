@@ -175,3 +175,14 @@ def test_peer_step_compiles_deviceless_for_v5e(fmt, batch):
     """The real kernel (Mosaic) inside the whole step, compiled for one v5e core (~12 s each)."""
     compiled = peer.compile_deviceless(TP8, batch, fmt, topology="v5e:2x2")
     assert "fused-moe-k_8-renorm_k" in compiled.as_text()
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_depth_preset_kernel_compiles_deviceless_for_v5e():
+    """k3-d12 (12 layers at the seed's pattern, bf16 experts, B = 8): the megakernel compiles for one
+    v5e core (49 s on a 2-core machine for B = 1 through `mk aot`)."""
+    from mk.kernel.aot import compile_kernel
+    from mk.kernel.plan import make_plan
+    r = compile_kernel(make_plan(get_config("k3-d12"), 8, chip="v5e", experts="bf16"), "v5e:2x2")
+    assert r.compiled, r.error

@@ -8,7 +8,8 @@
 #   OUT=DIR bash docs/tpu-v5e/run-peer.sh part3    k3-d12 bf16 B = 4, 8, k3-d12 mxfp4 B = 1, 2          (~7 min)
 #   OUT=DIR bash docs/tpu-v5e/run-peer.sh part4    k3-d12 mxfp4 B = 4, 8, k3-d24 bf16 B = 1, 2          (~8 min)
 #   OUT=DIR bash docs/tpu-v5e/run-peer.sh part5    k3-d24 bf16 B = 4, 8, k3-d24 mxfp4 B = 1, 2          (~8 min)
-#   OUT=DIR bash docs/tpu-v5e/run-peer.sh part6    k3-d24 mxfp4 B = 4, 8                                (~4 min)
+#   OUT=DIR bash docs/tpu-v5e/run-peer.sh part6    k3-d24 mxfp4 B = 4, 8, then tpu-inference's MLA decode
+#                                                  kernel alone at k3-chip's shapes (peer_mla.py)       (~6 min)
 #   OUT=DIR bash docs/tpu-v5e/run-peer.sh part7    k3-d48 bf16 B = 1, 2                                 (~7.5 min)
 #   OUT=DIR bash docs/tpu-v5e/run-peer.sh part8    k3-d48 bf16 B = 4, 8                                 (~7.5 min)
 #   OUT=DIR bash docs/tpu-v5e/run-peer.sh part9    k3-d48 mxfp4 B = 1, 2                                (~7.5 min)
@@ -41,7 +42,8 @@ case "${1:?which part: part1 .. part10}" in
      bench bench-d24-bf16-b48 260 k3-d24 bf16 4,8
      bench bench-d24-mxfp4-b12 260 k3-d24 mxfp4 1,2 ;;
   part6) STEP_PAUSE=2 source docs/tpu-v5e/steps.sh
-     bench bench-d24-mxfp4-b48 290 k3-d24 mxfp4 4,8 ;;
+     bench bench-d24-mxfp4-b48 290 k3-d24 mxfp4 4,8
+     step peer-mla 150 python3 docs/tpu-v5e/peer_mla.py k3-chip ;;
   part7) STEP_PAUSE=2 source docs/tpu-v5e/steps.sh
      bench bench-d48-bf16-b12 520 k3-d48 bf16 1,2 ;;
   part8) STEP_PAUSE=2 source docs/tpu-v5e/steps.sh

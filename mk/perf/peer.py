@@ -91,18 +91,17 @@ def available() -> bool:
     return package_dir() is not None
 
 
-@functools.cache
-def kernel_module() -> types.ModuleType:
-    """tpu-inference's fused MoE kernel module, loaded from its file with stub parent packages (the
-    real `tpu_inference/__init__` and its logger import vLLM), its `apply_act_fn` taught K3's situ.
-    The stubs live in sys.modules only while the module loads. Raises PeerError if not installed."""
+def load_modules(*names: str) -> list[types.ModuleType]:
+    """tpu_inference modules (dotted names, in import order), each loaded from its file with stub
+    parent packages and a stub `tpu_inference.logger` (the real `tpu_inference/__init__` and logger
+    import vLLM). The stubs live in sys.modules only while the modules load. Raises PeerError if the
+    package is not installed."""
     root = package_dir()
     if root is None:
         raise PeerError(f"--impl peer needs {PEER_PACKAGE} {PEER_VERSION}, which is not importable here: {INSTALL_HINT}")
-    parents = ["tpu_inference", "tpu_inference.kernels", "tpu_inference.kernels.fused_moe",
-               "tpu_inference.kernels.fused_moe.v1"]
-    files = ["tpu_inference.kernels.fused_moe.v1.tuned_block_sizes", KERNEL_MODULE]
-    saved = {n: sys.modules.get(n) for n in parents + files + ["tpu_inference.logger"]}
+    parents = sorted({".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 1)}, key=len)
+    saved = {n: sys.modules.get(n) for n in [*parents, *names, "tpu_inference.logger"]}
+    mods = []
     try:
         for n in parents:
             stub = types.ModuleType(n)
@@ -111,17 +110,26 @@ def kernel_module() -> types.ModuleType:
         logger = types.ModuleType("tpu_inference.logger")
         logger.init_logger = logging.getLogger
         sys.modules["tpu_inference.logger"] = logger
-        for n in files:
+        for n in names:
             spec = importlib.util.spec_from_file_location(n, os.path.join(root, *n.split(".")[1:]) + ".py")
             mod = importlib.util.module_from_spec(spec)
             sys.modules[n] = mod
             spec.loader.exec_module(mod)
+            mods.append(mod)
     finally:
         for n, m in saved.items():
             if m is None:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = m
+    return mods
+
+
+@functools.cache
+def kernel_module() -> types.ModuleType:
+    """tpu-inference's fused MoE kernel module (`load_modules`), its `apply_act_fn` taught K3's situ.
+    Raises PeerError if not installed."""
+    mod = load_modules("tpu_inference.kernels.fused_moe.v1.tuned_block_sizes", KERNEL_MODULE)[-1]
     shipped = mod.apply_act_fn
 
     def apply_act_fn(acc1, acc3, act_fn):
