@@ -202,3 +202,17 @@ def test_measure_pipeline_with_the_peer(monkeypatch):
     assert p["impl"] == "peer" and p["peer_format"] == "int4" and p["error"] is None and p["steps"] == 2
     assert p["expert_bytes"] == pytest.approx(sum(p["distinct_experts"]) * peer.expert_bytes(TP8, "int4"))
     assert p["weight_bytes"] == xla["weight_bytes"] and p["hbm_bytes"] < xla["hbm_bytes"] + 1
+
+
+def test_peer_experts_from_mxfp4_params_are_their_exact_dequantization():
+    """An MXFP4 checkpoint's experts reach the peer as their exact bf16 values (then its format)."""
+    from mk.io.convert import dequantize_experts
+    from mk.io.synth import mxfp4_params
+    from mk.model.params import init
+    packed = mxfp4_params(TP8, 0, init(TP8, 0))[0]
+    plain = dequantize_experts(packed)
+    for fmt in ("bf16", "int4"):
+        a = peer.peer_params(packed, TP8, fmt, experts="mxfp4")["peer"]
+        b = peer.peer_params(plain, TP8, fmt)["peer"]
+        assert all(np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
