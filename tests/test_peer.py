@@ -107,7 +107,6 @@ def test_bench_memory_counts_the_peer_experts_after_the_kernels():
     assert need["total"] == need["params"] + max(need["kernel"], need["peer"]) + need["caches"]
 
 
-@pytest.mark.slow
 def test_depth_presets_plan_for_both_formats():
     """k3-d12/24/48 beside k3-chip: the kernel's v5e plan at every batch 1..8, both expert formats,
     and the bench's peak (kernel and peer) inside one v5e's 15.7 GiB."""
@@ -159,6 +158,7 @@ def test_peer_step_computes_the_reference_on_its_experts(fmt):
 
 
 @needs_wheel
+@pytest.mark.slow
 def test_peer_comparison_can_fail():
     """The same harness sees wrong experts: the peer given w3 in place of w1 is outside the tolerance."""
     from mk.model.params import init
@@ -175,3 +175,44 @@ def test_peer_step_compiles_deviceless_for_v5e(fmt, batch):
     """The real kernel (Mosaic) inside the whole step, compiled for one v5e core (~12 s each)."""
     compiled = peer.compile_deviceless(TP8, batch, fmt, topology="v5e:2x2")
     assert "fused-moe-k_8-renorm_k" in compiled.as_text()
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_depth_preset_kernel_compiles_deviceless_for_v5e():
+    """k3-d12 (12 layers at the seed's pattern, bf16 experts, B = 8): the megakernel compiles for one
+    v5e core (22 s on a 2-core machine)."""
+    from mk.kernel.aot import compile_kernel
+    from mk.kernel.plan import make_plan
+    r = compile_kernel(make_plan(get_config("k3-d12"), 8, chip="v5e", experts="bf16"), "v5e:2x2")
+    assert r.compiled, r.error
+
+
+@needs_wheel
+@pytest.mark.slow
+def test_measure_pipeline_with_the_peer(monkeypatch):
+    """mk bench's measure() with xla and peer on mini-tp8, the TPU check bypassed and the wheel's
+    `ref_moe` standing for the kernel (CPU timings: plumbing only): peer rows count int4 experts."""
+    monkeypatch.setattr(bench, "require_tpu", lambda backend=None: None)
+    make = peer.make_peer_step
+    monkeypatch.setattr(peer, "make_peer_step", lambda cfg, fmt, **kw: make(cfg, fmt, moe_fn=peer.kernel_module().ref_moe))
+    rows = bench.measure(TP8, batches=(2,), experts="mxfp4", steps=2, warmup=1, impls=("xla", "peer"),
+                         progress=False, device_steps=0)
+    xla, p = rows
+    assert p["impl"] == "peer" and p["peer_format"] == "int4" and p["error"] is None and p["steps"] == 2
+    assert p["expert_bytes"] == pytest.approx(sum(p["distinct_experts"]) * peer.expert_bytes(TP8, "int4"))
+    assert p["weight_bytes"] == xla["weight_bytes"] and p["hbm_bytes"] < xla["hbm_bytes"] + 1
+
+
+def test_peer_experts_from_mxfp4_params_are_their_exact_dequantization():
+    """An MXFP4 checkpoint's experts reach the peer as their exact bf16 values (then its format)."""
+    from mk.io.convert import dequantize_experts
+    from mk.io.synth import mxfp4_params
+    from mk.model.params import init
+    packed = mxfp4_params(TP8, 0, init(TP8, 0))[0]
+    plain = dequantize_experts(packed)
+    for fmt in ("bf16", "int4"):
+        a = peer.peer_params(packed, TP8, fmt, experts="mxfp4")["peer"]
+        b = peer.peer_params(plain, TP8, fmt)["peer"]
+        assert all(np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

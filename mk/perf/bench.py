@@ -416,13 +416,18 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     if "peer" in impls:                          # last: its experts are made once the others' are freed
         from mk.perf import peer
         t0 = time.perf_counter()
-        pparams = jax.block_until_ready(peer.peer_params(params, cfg, peer_format, experts))
-        log(f"peer experts ready ({peer_format}, {peer.expert_bytes(cfg, peer_format) / 1e6:.1f} MB each) in "
-            f"{time.perf_counter() - t0:.1f} s")
-        compiled = _compile_lazily({"peer": (peer.make_peer_step(cfg, peer_format), pparams)}, batches, cfg, ctx)
+        try:
+            pparams = jax.block_until_ready(peer.peer_params(params, cfg, peer_format, experts))
+            log(f"peer experts ready ({peer_format}, {peer.expert_bytes(cfg, peer_format) / 1e6:.1f} MB each) in "
+                f"{time.perf_counter() - t0:.1f} s")
+            compiled = _compile_lazily({"peer": (peer.make_peer_step(cfg, peer_format), pparams)}, batches, cfg, ctx)
+            make = {B: (lambda f=compiled["peer", B]: functools.partial(_call, f(), pparams)) for B in batches}
+        except Exception as e:                   # its cases say why; the other impls' rows stand
+            pparams = compiled = None
+            make = {B: functools.partial(_raise, e) for B in batches}
         for B in batches:
-            run_case("peer", B, lambda f=compiled["peer", B]: functools.partial(_call, f(), pparams))
-        del pparams, compiled
+            run_case("peer", B, make[B])
+        del pparams, compiled, make
         gc.collect()
     bar.close()
 
@@ -464,6 +469,10 @@ def peer_step_bytes(cfg: K3Config, nbytes: dict, distinct, peer_format: str) -> 
     out = dict(nbytes, expert_bytes=float(np.sum(distinct)) * expert_bytes(cfg, peer_format))
     out["hbm_bytes"] = out["weight_bytes"] + out["expert_bytes"] + out["state_bytes"]
     return out
+
+
+def _raise(error: Exception):
+    raise error
 
 
 def _call(executable, params, cache, tokens):

@@ -27,7 +27,15 @@ How K3's latent MoE maps onto the kernel's arguments (spec 1.4.5, `mk.model.laye
   act_fn "situ:<beta>:<linear_beta>" = `mk.model.layers.common.situ` of the bf16-rounded gate and up
   (the spec's rounding points), a bf16 result; its w2 product is then bf16 x weights -> f32 (the
   shipped silu path multiplies an f32 activation).
-* B is padded to an even row count (bf16 tokens are packed in pairs); padded rows are zero.
+* B is padded to an even row count (bf16 tokens are packed in pairs); a padded row is zero and
+  routed as row 0.
+
+What the kernel reads: every local expert's weights on every call. Its weight DMAs (`start_fetch_bw*`
+in `run_per_expert` / `expert_ffn`) do not depend on the expert's token count, only its matmul loops
+do; so on one device it streams all E experts of the layer whatever the routing (at k3-chip, 16 x 66
+MB in bf16: the 1.46 ms per layer call timed on the v5e is 0.72 TB/s over all of them). `mk bench`
+still counts the peer's `hbm_bytes` as the experts the step routed (what a step must read), so at B = 1
+(8 of 16 experts) the peer moves about twice the expert bytes its row counts.
 
 Numerics against the reference: the routing weights' bf16 gating (above), and the kernel's expert
 output rounding (it truncates each expert's f32 w2 product to bf16, then sums the k weighted experts
@@ -91,18 +99,17 @@ def available() -> bool:
     return package_dir() is not None
 
 
-@functools.cache
-def kernel_module() -> types.ModuleType:
-    """tpu-inference's fused MoE kernel module, loaded from its file with stub parent packages (the
-    real `tpu_inference/__init__` and its logger import vLLM), its `apply_act_fn` taught K3's situ.
-    The stubs live in sys.modules only while the module loads. Raises PeerError if not installed."""
+def load_modules(*names: str) -> list[types.ModuleType]:
+    """tpu_inference modules (dotted names, in import order), each loaded from its file with stub
+    parent packages and a stub `tpu_inference.logger` (the real `tpu_inference/__init__` and logger
+    import vLLM). The stubs live in sys.modules only while the modules load. Raises PeerError if the
+    package is not installed."""
     root = package_dir()
     if root is None:
         raise PeerError(f"--impl peer needs {PEER_PACKAGE} {PEER_VERSION}, which is not importable here: {INSTALL_HINT}")
-    parents = ["tpu_inference", "tpu_inference.kernels", "tpu_inference.kernels.fused_moe",
-               "tpu_inference.kernels.fused_moe.v1"]
-    files = ["tpu_inference.kernels.fused_moe.v1.tuned_block_sizes", KERNEL_MODULE]
-    saved = {n: sys.modules.get(n) for n in parents + files + ["tpu_inference.logger"]}
+    parents = sorted({".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 1)}, key=len)
+    saved = {n: sys.modules.get(n) for n in [*parents, *names, "tpu_inference.logger"]}
+    mods = []
     try:
         for n in parents:
             stub = types.ModuleType(n)
@@ -111,17 +118,26 @@ def kernel_module() -> types.ModuleType:
         logger = types.ModuleType("tpu_inference.logger")
         logger.init_logger = logging.getLogger
         sys.modules["tpu_inference.logger"] = logger
-        for n in files:
+        for n in names:
             spec = importlib.util.spec_from_file_location(n, os.path.join(root, *n.split(".")[1:]) + ".py")
             mod = importlib.util.module_from_spec(spec)
             sys.modules[n] = mod
             spec.loader.exec_module(mod)
+            mods.append(mod)
     finally:
         for n, m in saved.items():
             if m is None:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = m
+    return mods
+
+
+@functools.cache
+def kernel_module() -> types.ModuleType:
+    """tpu-inference's fused MoE kernel module (`load_modules`), its `apply_act_fn` taught K3's situ.
+    Raises PeerError if not installed."""
+    mod = load_modules("tpu_inference.kernels.fused_moe.v1.tuned_block_sizes", KERNEL_MODULE)[-1]
     shipped = mod.apply_act_fn
 
     def apply_act_fn(acc1, acc3, act_fn):
@@ -300,9 +316,9 @@ def routed_fn(cfg: K3Config, fmt: str, mesh=None, block: int | None = None, moe_
         B = latent.shape[0]
         g = gating(ids, weights, cfg.experts)
         pad = rows(B) - B
-        if pad:                                  # a zero row: situ(0, 0) = 0 whatever experts it picks
+        if pad:                                  # a zero row (situ(0, 0) = 0) routed as row 0: no other expert
             latent = jnp.pad(latent, ((0, pad), (0, 0)))
-            g = jnp.pad(g, ((0, pad), (0, 0)))
+            g = jnp.concatenate([g, jnp.broadcast_to(g[:1], (pad, g.shape[1]))])
         quant = {}
         if fmt != "bf16":
             quant = {"w1_scale": w["w1_scale"], "w2_scale": w["w2_scale"],
