@@ -195,34 +195,30 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-OTHERS = ("xla", "xla-ragged", "peer")     # the steps the kernel is raced against (not the oracle)
-
-
 def _series(values, fmt: str = ".2f") -> str:
     return " / ".join("-" if v is None else format(v, fmt) for v in values)
 
 
 def summary(rows: list[dict]) -> str:
-    """One line of a bench's figures, for its record: the kernel's device (else wall) ms per batch,
-    its fraction of the stream, and its speedup over the fastest of the other steps."""
+    """One line of a bench's figures (rows after `add_ratios`), for its record: the kernel's device
+    (else wall) ms per batch, its fraction of the stream, and its device and wall speedups over the
+    better of RIVALS (`best_other`)."""
     batches = sorted({r["batch"] for r in rows})
     kern = {r["batch"]: r for r in rows if r["impl"] == "kernel" and not r.get("error")}
     if not kern:
         return "kernel not run: " + "; ".join(sorted({r["error"] for r in rows if r.get("error")}))[:200]
     device = all(kern[b].get("device_median_ms") for b in kern)
     key, frac = ("device_median_ms", "device_frac_stream") if device else ("median_ms", "frac_stream")
-    out = (f"kernel {'device' if device else 'wall'} {_series(kern.get(b, {}).get(key) for b in batches)} ms at "
-           f"B = {' / '.join(map(str, batches))}; {_series((kern.get(b, {}).get(frac) for b in batches))} of stream")
+    col = lambda name: [kern.get(b, {}).get(name) for b in batches]
+    out = (f"kernel {'device' if device else 'wall'} {_series(col(key))} ms at B = {' / '.join(map(str, batches))}; "
+           f"{_series(col(frac))} of stream")
     if any(r.get("distinct_source", "").startswith("expected") for r in kern.values()):
         out += " (bytes of uniform routing's expected experts: no XLA step counted the routed ones)"
-    best = {}
-    for r in rows:
-        if r["impl"] in OTHERS and r.get(key) and (r["batch"] not in best or r[key] < best[r["batch"]][key]):
-            best[r["batch"]] = r
-    if best:
-        ratio = [best[b][key] / kern[b][key] if b in best and b in kern else None for b in batches]
-        names = "/".join(sorted({best[b]["impl"] for b in best}))
-        out += f"; {_series(ratio)}x faster than the best other step ({names})"
+    names = sorted({n for n in col("best_other") if n})
+    if names:
+        out += (f"; vs the better of {' and '.join(i for i in RIVALS if any(r['impl'] == i for r in rows))} "
+                f"({'/'.join(names)}): {_series(col('device_speedup_vs_best'))}x device, "
+                f"{_series(col('speedup_vs_best'))}x wall")
     return out
 
 
