@@ -63,3 +63,17 @@ def test_readme_results_block_is_current():
     block = results.read_block(readme)
     assert block is not None, "README.md has no results block"
     assert block == results.results_table(results.find_records(results.REPO / "docs"))
+
+
+def test_records_figure_draws_each_impl_of_a_race(tmp_path):
+    """The headline figure: one bar series per impl of the newest raced bench, tokens/s from device time."""
+    from mk.notebooks.helpers import records_figure
+    rows = [{"impl": i, "batch": b, "device_median_ms": ms} for i, b, ms in
+            (("kernel", 1, 5.0), ("xla", 1, 6.0), ("peer", 1, 8.0), ("reference", 1, 1.0), ("kernel", 8, 8.0))]
+    _rec(tmp_path / "b.json", "bench", {"config": "k3-chip", "experts": "bf16"}, "2026-12-06T10:00:00", "s", rows=rows)
+    _rec(tmp_path / "k.json", "bench", {"config": "k3-chip", "experts": "mxfp4"}, "2026-12-06T10:00:00", "s",
+         rows=rows[:1])                                         # the kernel alone: not drawn
+    fig = records_figure(results.find_records(tmp_path))
+    assert [t.name for t in fig.data] == ["mk megakernel", "fair XLA step", "fair XLA step + vLLM TPU fused MoE (peer)"]
+    assert list(fig.data[0].y) == [200.0, 1000.0] and list(fig.data[2].y) == [125.0, None]
+    assert "device time" in fig.layout.title.text

@@ -8,6 +8,7 @@ where that block is not what the records give (the test suite runs it, so the RE
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def add_parser(subparsers):
@@ -18,6 +19,8 @@ def add_parser(subparsers):
     what.add_argument("--write", metavar="README", default=None, help="rewrite this file's results block")
     what.add_argument("--check", metavar="README", default=None,
                       help="exit 1 where this file's results block differs from the records")
+    what.add_argument("--figure", metavar="PNG", default=None,
+                      help="draw the bench records' tokens/s (device time) per impl to this PNG (needs the notebooks extra)")
     p.set_defaults(func=run)
 
 
@@ -25,6 +28,14 @@ def run(args) -> int:
     from mk.perf import results
     root = args.root or results.REPO / "docs"
     records = results.find_records(root)
+    if args.figure:
+        from mk.errors import writable_path
+        from mk.notebooks.helpers import records_figure
+        from mk.notebooks.runner import save_figure
+        path = Path(writable_path(args.figure, "--figure"))
+        written = save_figure(records_figure(records), path.stem, path.parent)
+        print(f"wrote {written}")
+        return 0
     table = results.results_table(records)
     if args.write:
         changed = results.write_block(args.write, table)
