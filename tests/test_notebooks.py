@@ -11,8 +11,27 @@ from mk.notebooks.runner import notebooks, run_all, save_figure
 NBS = notebooks()
 
 
-def test_there_are_five_notebooks():
-    assert [p.name[:2] for p in NBS] == ["01", "02", "03", "04", "05"]
+def test_there_are_six_notebooks():
+    assert [p.name[:2] for p in NBS] == ["00", "01", "02", "03", "04", "05"]
+
+
+@pytest.mark.parametrize("path", NBS, ids=lambda p: p.name)
+def test_every_notebook_ends_with_a_takeaway_and_lists_its_parameters(path):
+    """A student reads the lesson last: the final cell is a markdown takeaway after a code cell that prints
+    (and asserts) its numbers; every parameter says what values it takes (a comment on its line)."""
+    nb = nbformat.read(str(path), as_version=4)
+    assert nb.cells[-1].cell_type == "markdown" and "takeaway" in nb.cells[-1].source.lower(), \
+        f"{path.name}: the last cell should be a markdown takeaway"
+    assert nb.cells[-2].cell_type == "code" and "assert" in nb.cells[-2].source, \
+        f"{path.name}: the takeaway's numbers should come from a code cell that asserts them"
+    src = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    bare = [ln for ln in src.splitlines() if ln.strip() and not ln.startswith("#") and "#" not in ln]
+    assert not bare, f"{path.name}: parameters without a comment naming their values: {bare}"
+
+
+def test_notebooks_readme_names_every_notebook():
+    text = (NBS[0].parent / "README.md").read_text()
+    assert all(p.stem in text for p in NBS), "notebooks/README.md should give the reading order of every notebook"
 
 
 @pytest.mark.parametrize("path", NBS, ids=lambda p: p.name)
