@@ -290,3 +290,17 @@ def test_measures_on_a_tpu_and_checks_against_independent_figures(path):
         assert "SPEED_CAVEAT" in code and "backend_label()" in code, f"{path.name}: CPU times must be labelled"
     for t in TAUTOLOGIES.get(path.name, []):
         assert t not in code, f"{path.name}: an assert true by construction is back: {t}"
+
+
+def test_long_figure_titles_are_wrapped_to_the_export_width():
+    """A title longer than a line of the exported PNG is broken at word boundaries (kaleido cuts it
+    otherwise) and the top margin grows with its lines; a short title is kept as it is."""
+    import plotly.graph_objects as go
+    from mk.notebooks.runner import EXPORT_WIDTH, TITLE_CHARS_PER_PX, fit_title
+    words = "k3-chip: step time vs prefetch depth, measured on TPU v5 lite (1 device) and modelled on tpu-v5e " * 2
+    fig = fit_title(go.Figure(layout=dict(title=words.strip())))
+    lines = fig.layout.title.text.split("<br>")
+    assert len(lines) >= 2 and all(len(ln) <= EXPORT_WIDTH * TITLE_CHARS_PER_PX for ln in lines)
+    assert " ".join(lines) == words.strip() and fig.layout.margin.t >= 40 + 24 * len(lines)
+    short = fit_title(go.Figure(layout=dict(title="tokens/s vs batch")))
+    assert short.layout.title.text == "tokens/s vs batch"
