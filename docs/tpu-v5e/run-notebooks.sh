@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The five notebooks on the lent TPU v5e, each in its own process through the runner's ipc kernel
+# The notebooks on the lent TPU v5e, each in its own process through the runner's ipc kernel
 # (no TCP socket opens there), on the chip's default preset (k3-chip). Wheels: .whl-tpu made here by
 #   make tpu-wheels TPU_WHEELS_REQS=docs/tpu-v5e/notebook-wheels.txt
 # Usage (a call holds the chip at most 10 minutes, so a few notebooks per call):
