@@ -111,3 +111,20 @@ def test_kernel_device_loop_equals_kernel_host_loop(params, kernel_step_fn):
     host = ref.generate(params, TINY, PROMPT, 4, ctx=CTX, step_fn=kernel_step_fn)["tokens"]
     res = loop.generate(loop.loop_step_of(kernel_step_fn, params, TINY), TINY, PROMPT, 4, ctx=CTX, chunk=3)
     assert res["tokens"].tolist() == host.tolist()
+
+
+def test_kernel_chunk_compiles_for_tpu_with_the_cache_in_place():
+    """Deviceless TPU v5e compile of a 16-step chunk around the megakernel (mini, B = 2, top-p
+    sampling, a stop id): one pallas_call in the program, the whole cache aliased input to output
+    (no copy per chunk), and little else."""
+    import jax
+    from mk.kernel.aot import compile_loop_chunk
+    from mk.kernel.plan import make_plan
+    from mk.model.params import nbytes
+    cfg = get_config("mini")
+    plan = make_plan(cfg, 2, chip="v5e", ctx=256)
+    r = compile_loop_chunk(plan, "v5e:2x2", 16, loop.Sampling(0.7, 0.9, (5,)))
+    assert r.compiled, r.error
+    cache = nbytes(jax.eval_shape(lambda: ref.init_cache(cfg, 2, 256)))
+    assert r.pallas_calls == 1
+    assert r.memory["alias_size_in_bytes"] >= cache - 64 and r.memory["temp_size_in_bytes"] < cache // 4
