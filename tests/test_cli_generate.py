@@ -63,8 +63,10 @@ def test_json_output(capsys, tiny_dir):
     assert res["prompt_tokens"] == [5, 6]
     assert res["backend"] == "reference" and res["config"] == tiny_dir
     assert res["ctx"] == 128 and res["batch"] == 1 and res["temperature"] == 0.0 and res["top_p"] == 1.0
-    for k in ("prefill_s", "decode_s", "tokens_per_s"):
+    for k in ("prefill_s", "decode_s", "tokens_per_s", "ttft_s", "prefill_tokens_per_s"):
         assert isinstance(res[k], float) and res[k] > 0
+    assert res["loop"] == "device" and res["chunk"] == 16 and res["prefill"] == "sequential"
+    assert res["decode_steps"] == 3 and res["chunks"] == 1
     plain = gen(capsys, tiny_dir, "--prompt-tokens", "5,6", "--max-new-tokens", "4")
     assert plain.split() == [str(t) for t in res["tokens"][0]]
 

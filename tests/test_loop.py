@@ -128,3 +128,28 @@ def test_kernel_chunk_compiles_for_tpu_with_the_cache_in_place():
     cache = nbytes(jax.eval_shape(lambda: ref.init_cache(cfg, 2, 256)))
     assert r.pallas_calls == 1
     assert r.memory["alias_size_in_bytes"] >= cache - 64 and r.memory["temp_size_in_bytes"] < cache // 4
+
+
+def test_sharded_reference_on_a_mesh_of_two():
+    """--mesh 2 (the sharded reference, two virtual CPU devices): the device loop's tokens are the
+    host loop's."""
+    from mk.model import reference_sharded as rs
+    cfg = TINY.replace(heads=2)
+    mesh = rs.mesh_for(cfg, 2)
+    params = rs.shard_params(mkparams.init(cfg, 0), mesh)
+    step_fn = rs.step_fn_for(cfg, mesh)
+    host = ref.generate(params, cfg, PROMPT, 4, ctx=CTX, step_fn=step_fn)["tokens"]
+    res = loop.generate(loop.loop_step_of(step_fn, params, cfg), cfg, PROMPT, 4, ctx=CTX, chunk=2)
+    assert res["tokens"].tolist() == host.tolist()
+
+
+@pytest.mark.slow
+def test_kernel_on_a_mesh_of_two():
+    """The interpret-mode kernel split over two virtual devices inside the device loop: the host loop's tokens."""
+    from mk.kernel.step import make_step_fn
+    cfg = TINY.replace(heads=2)
+    params = mkparams.init(cfg, 0)
+    step_fn = make_step_fn(params, cfg, 2, ctx=CTX, mesh=2)
+    host = ref.generate(params, cfg, PROMPT, 3, ctx=CTX, step_fn=step_fn)["tokens"]
+    res = loop.generate(loop.loop_step_of(step_fn, params, cfg), cfg, PROMPT, 3, ctx=CTX, chunk=2)
+    assert res["tokens"].tolist() == host.tolist()
