@@ -130,6 +130,7 @@ def test_kernel_chunk_compiles_for_tpu_with_the_cache_in_place():
     assert r.memory["alias_size_in_bytes"] >= cache - 64 and r.memory["temp_size_in_bytes"] < cache // 4
 
 
+@pytest.mark.slow
 def test_sharded_reference_on_a_mesh_of_two():
     """--mesh 2 (the sharded reference, two virtual CPU devices): the device loop's tokens are the
     host loop's."""
