@@ -128,7 +128,8 @@ def test_speculative_json(capsys, tiny_dir, tmp_path):
     (["--prompt", "hi"], "--prompt needs --checkpoint DIR"),
     (["--prompt-tokens", "1", "--chunk", "0"], "--chunk must be at least 1 step, found 0"),
     (["--prompt-tokens", "1", "--prefill", "parallel", "--loop", "host"], "--prefill parallel needs the device loop"),
-    (["--prompt-tokens", "1", "--speculative", "2", "--loop", "device"], "--speculative runs on the host loop"),
+    (["--prompt-tokens", "1", "--speculative", "2", "--fixed-acceptance-length", "2", "--loop", "device"],
+     "--fixed-acceptance-length runs on the host loop"),
     (["--prompt-tokens", ",".join(["1"] * 130), "--ctx", "128"], "exceed --ctx 128"),
     (["--prompt-tokens", "1", "--checkpoint", "/nonexistent"], "give --config or --checkpoint, not both"),
 ])

@@ -154,3 +154,65 @@ def test_kernel_on_a_mesh_of_two():
     host = ref.generate(params, cfg, PROMPT, 3, ctx=CTX, step_fn=step_fn)["tokens"]
     res = loop.generate(loop.loop_step_of(step_fn, params, cfg), cfg, PROMPT, 3, ctx=CTX, chunk=2)
     assert res["tokens"].tolist() == host.tolist()
+
+
+# ---- speculative decoding on the device (mk.kernel.speculative.device_generate) ----------------------
+
+@pytest.fixture(scope="module")
+def drafter():
+    from mk.model import drafter as mkdrafter
+    dc = mkdrafter.config_for(TINY)
+    return mkdrafter.DSparkDrafter(dc, mkdrafter.init(dc, 3))
+
+
+def test_speculative_device_loop_greedy(params, host_greedy, drafter):
+    """Draft, verify, accept and roll back on the device: plain greedy's tokens and the host
+    speculative loop's; a stop id ends its row."""
+    from mk.kernel import speculative as sp
+    host = sp.generate(params, TINY, PROMPT, 8, drafter, 2)
+    res = sp.device_generate(params, TINY, PROMPT, 8, drafter, 2, chunk=3)
+    assert res["tokens"].tolist() == host["tokens"].tolist() == host_greedy[:, :8].tolist()
+    assert res["lengths"].tolist() == [8, 8] and res["mean_acceptance"] == host["mean_acceptance"]
+    stop = int(host_greedy[0, 3])
+    cut = sp.device_generate(params, TINY, PROMPT, 8, drafter, 2, chunk=3, stop_ids=(stop,))
+    assert cut["lengths"].tolist() == [4, 8] and cut["tokens"][0, :4].tolist() == host_greedy[0, :4].tolist()
+
+
+def test_speculative_device_loop_accepts_drafts(params, host_greedy, drafter, monkeypatch):
+    """A drafter whose first draft is the greedy continuation and second is wrong: every step
+    accepts one draft (acceptance length 2), emits two tokens, and the rows end at max_new exactly."""
+    import jax.numpy as jnp
+    from mk.kernel import speculative as sp
+    from mk.model import drafter as mkdrafter
+    truth = jnp.asarray(np.concatenate([PROMPT, host_greedy], 1))
+
+    def draft(params, cache, anchor, pos, *, dc, k):
+        d = jnp.take_along_axis(truth, jnp.clip(pos[:, None] + 1 + jnp.arange(k)[None], 0, truth.shape[1] - 1), 1)
+        return jnp.where(jnp.arange(k)[None] < 1, d, (d + 1) % TINY.vocab).astype(jnp.int32)
+
+    monkeypatch.setattr(mkdrafter, "draft", draft)
+    res = sp.device_generate(params, TINY, PROMPT, 8, drafter, 2, chunk=2)
+    assert res["tokens"].tolist() == host_greedy[:, :8].tolist() and res["lengths"].tolist() == [8, 8]
+    assert res["acceptance"] == [2.0, 2.0] and res["steps"] == 4        # 1 + 4 x 2 tokens, the last one cut
+
+
+@pytest.mark.slow
+def test_speculative_device_loop_sampling(params, host_greedy, drafter):
+    from mk.kernel import speculative as sp
+    kw = dict(temperature=1.5, top_p=0.9, seed=2, chunk=2)
+    a = sp.device_generate(params, TINY, PROMPT, 6, drafter, 2, **kw)["tokens"]
+    assert sp.device_generate(params, TINY, PROMPT, 6, drafter, 2, **kw)["tokens"].tolist() == a.tolist()
+    assert a.tolist() != host_greedy[:, :6].tolist()
+    tiny = sp.device_generate(params, TINY, PROMPT, 6, drafter, 2, **dict(kw, top_p=1e-6))["tokens"]
+    assert tiny.tolist() == host_greedy[:, :6].tolist()
+
+
+@pytest.mark.slow
+def test_speculative_device_loop_on_the_kernel(params, host_greedy, drafter):
+    """The kernel's verify step (interpret mode: per-row states, rollback by state_row, aux rows
+    copied out) inside the device loop: plain greedy's tokens."""
+    from mk.kernel import speculative as sp
+    from mk.kernel.step import KernelVerifier
+    verifier = KernelVerifier(params, TINY, 2, 2, drafter.aux_layers, ctx=CTX)
+    res = sp.device_generate(params, TINY, PROMPT, 5, drafter, 2, ctx=CTX, verifier=verifier, chunk=2)
+    assert res["tokens"].tolist() == host_greedy[:, :5].tolist()
