@@ -253,3 +253,15 @@ def test_speculative_kernel_plumbing(capsys, tiny_dir, monkeypatch):
     assert calls == [(TINY, 1, 2, mkdrafter.config_for(TINY).aux_layers, res["ctx"], None)] and res["backend"] == "kernel"
     plain = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--json"))
     assert res["tokens"] == plain["tokens"]
+
+
+def test_speculative_device_loop(capsys, tiny_dir):
+    """--speculative K --loop device: drafts verified and accepted on the device, plain greedy's tokens."""
+    plain = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "5", "--json"))
+    out = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "5", "--json",
+                         "--speculative", "2", "--loop", "device", "--chunk", "2"))
+    assert out["tokens"] == plain["tokens"] and out["loop"] == "device" and out["chunk"] == 2
+    assert len(out["row_mean_acceptance_lengths"]) == 1 and 1 <= out["mean_acceptance_length"] <= 3
+    streamed = gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "5", "--speculative", "2",
+                   "--loop", "device")
+    assert streamed.split() == [str(t) for t in plain["tokens"][0]]

@@ -375,7 +375,8 @@ def add_parser(subparsers):
                         "tokens while the next runs")
     p.add_argument("--loop", choices=("device", "host"), default=None,
                    help="device: chunks of --chunk steps on the device (default); host: one dispatch and one "
-                        "sync per token (the default for --speculative and multi-process runs)")
+                        "sync per token (the default for --speculative and multi-process runs; "
+                        "--speculative K --loop device verifies on the device)")
     p.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
                    help="sequential: the prompt through the decode step, token by token, without a host sync "
                         "(default); parallel: mk.model.prefill, all positions at once")
