@@ -136,6 +136,23 @@ def test_measure_pipeline_on_mini(monkeypatch):
         assert r["hbm_bytes"] > 0 and r["tok_s"] == pytest.approx(r["batch"] / r["median_ms"] * 1e3)
 
 
+def test_record_summary_names_the_best_other_step():
+    """A bench record's summary: the kernel's device ms per batch, its fraction of stream, and its
+    device and wall speedups over the better of xla and peer at each batch (the oracle is no rival)."""
+    from mk.perf.bench import add_ratios, summary
+    rows = [{"impl": "kernel", "batch": 1, "device_median_ms": 5.0, "device_frac_stream": 0.9},
+            {"impl": "kernel", "batch": 8, "device_median_ms": 6.0, "device_frac_stream": 0.85},
+            {"impl": "xla", "batch": 1, "device_median_ms": 10.0}, {"impl": "xla", "batch": 8, "device_median_ms": 6.6},
+            {"impl": "peer", "batch": 1, "device_median_ms": 7.5}, {"impl": "peer", "batch": 8, "device_median_ms": 9.0},
+            {"impl": "reference", "batch": 1, "device_median_ms": 1.0}, {"impl": "reference", "batch": 8, "device_median_ms": 1.0}]
+    for r in rows:
+        r["median_ms"] = r["device_median_ms"] + 1.0
+    assert summary(add_ratios(rows)) == (
+        "kernel device 5.00 / 6.00 ms at B = 1 / 8; 0.90 / 0.85 of stream; vs the better of xla and peer "
+        "(peer/xla): 1.50 / 1.10x device, 1.42 / 1.09x wall")
+    assert summary([{"impl": "kernel", "batch": 1, "error": "OOM"}]) == "kernel not run: OOM"
+
+
 def test_generate_mode_refuses_on_cpu_in_one_line():
     p = subprocess.run([sys.executable, "-m", "mk", "bench", "--mode", "generate", "--json"], capture_output=True,
                        text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})

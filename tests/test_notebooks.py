@@ -11,8 +11,27 @@ from mk.notebooks.runner import notebooks, run_all, save_figure
 NBS = notebooks()
 
 
-def test_there_are_five_notebooks():
-    assert [p.name[:2] for p in NBS] == ["01", "02", "03", "04", "05"]
+def test_there_are_six_notebooks():
+    assert [p.name[:2] for p in NBS] == ["00", "01", "02", "03", "04", "05"]
+
+
+@pytest.mark.parametrize("path", NBS, ids=lambda p: p.name)
+def test_every_notebook_ends_with_a_takeaway_and_lists_its_parameters(path):
+    """A student reads the lesson last: the final cell is a markdown takeaway after a code cell that prints
+    (and asserts) its numbers; every parameter says what values it takes (a comment on its line)."""
+    nb = nbformat.read(str(path), as_version=4)
+    assert nb.cells[-1].cell_type == "markdown" and "takeaway" in nb.cells[-1].source.lower(), \
+        f"{path.name}: the last cell should be a markdown takeaway"
+    assert nb.cells[-2].cell_type == "code" and "assert" in nb.cells[-2].source, \
+        f"{path.name}: the takeaway's numbers should come from a code cell that asserts them"
+    src = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    bare = [ln for ln in src.splitlines() if ln.strip() and not ln.startswith("#") and "#" not in ln]
+    assert not bare, f"{path.name}: parameters without a comment naming their values: {bare}"
+
+
+def test_notebooks_readme_names_every_notebook():
+    text = (NBS[0].parent / "README.md").read_text()
+    assert all(p.stem in text for p in NBS), "notebooks/README.md should give the reading order of every notebook"
 
 
 @pytest.mark.parametrize("path", NBS, ids=lambda p: p.name)
@@ -262,8 +281,26 @@ def test_measures_on_a_tpu_and_checks_against_independent_figures(path):
     no speed claim (those that time anything), and none of the by-construction asserts came back."""
     nb = nbformat.read(str(path), as_version=4)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    if path.name.startswith("00"):      # the walk-through times nothing: every time it shows is modelled
+        assert "perf_counter" not in code and "time_calls" not in code and "measure(" not in code, \
+            f"{path.name}: the walk-through should not time anything (its times are modelled)"
+        return
     assert "on_tpu()" in code, f"{path.name}: no TPU branch"
     if not path.name.startswith("01"):
         assert "SPEED_CAVEAT" in code and "backend_label()" in code, f"{path.name}: CPU times must be labelled"
     for t in TAUTOLOGIES.get(path.name, []):
         assert t not in code, f"{path.name}: an assert true by construction is back: {t}"
+
+
+def test_long_figure_titles_are_wrapped_to_the_export_width():
+    """A title longer than a line of the exported PNG is broken at word boundaries (kaleido cuts it
+    otherwise) and the top margin grows with its lines; a short title is kept as it is."""
+    import plotly.graph_objects as go
+    from mk.notebooks.runner import EXPORT_WIDTH, TITLE_CHARS_PER_PX, fit_title
+    words = "k3-chip: step time vs prefetch depth, measured on TPU v5 lite (1 device) and modelled on tpu-v5e " * 2
+    fig = fit_title(go.Figure(layout=dict(title=words.strip())))
+    lines = fig.layout.title.text.split("<br>")
+    assert len(lines) >= 2 and all(len(ln) <= EXPORT_WIDTH * TITLE_CHARS_PER_PX for ln in lines)
+    assert " ".join(lines) == words.strip() and fig.layout.margin.t >= 40 + 24 * len(lines)
+    short = fit_title(go.Figure(layout=dict(title="tokens/s vs batch")))
+    assert short.layout.title.text == "tokens/s vs batch"

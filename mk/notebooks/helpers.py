@@ -442,3 +442,45 @@ def run_output_dir(name: str, fallback: str) -> str:
     from mk.notebooks.runner import FIGURES_ENV
     figs = os.environ.get(FIGURES_ENV)
     return os.path.join(os.path.dirname(os.path.abspath(figs)), name) if figs else fallback
+
+
+# ---- the measured records as a figure (the README's headline, notebook 04) --------------------------
+IMPL_LABELS = {"kernel": "mk megakernel", "xla": "fair XLA step", "peer": "fair XLA step + vLLM TPU fused MoE (peer)",
+               "xla-ragged": "fair XLA step (ragged_dot MoE)"}
+IMPL_STYLE = {"kernel": ("#1f77b4", ""), "xla": ("#ff7f0e", "/"), "peer": ("#2ca02c", "x"), "xla-ragged": ("#9467bd", ".")}
+
+
+def records_figure(records):
+    """Decode tokens/s from device time (the step program alone, from a profiler trace) of each impl,
+    at each (config, experts, batch) of the newest bench records that raced the kernel against a
+    rival: a grouped bar chart whose bars carry their values. records: `mk.perf.results.find_records`."""
+    import json
+
+    import plotly.graph_objects as go
+
+    from mk.perf.results import current
+    groups, values = [], {}
+    for path, rec in current(records):
+        if rec["kind"] != "bench":
+            continue
+        rows = json.loads(path.read_text())["rows"]
+        if len({r["impl"] for r in rows if r.get("device_median_ms")} - {"reference"}) < 2:
+            continue                                      # the kernel alone: no comparison to draw
+        for r in rows:
+            if r["impl"] == "reference" or not r.get("device_median_ms"):
+                continue
+            g = f"{rec['key'].get('config')} {rec['key'].get('experts')}<br>B = {r['batch']}"
+            groups.append(g) if g not in groups else None
+            values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
+    if not values:
+        raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
+    fig = go.Figure()
+    for impl in [i for i in IMPL_LABELS if i in values]:
+        color, pattern = IMPL_STYLE[impl]
+        ys = [values[impl].get(g) for g in groups]
+        fig.add_bar(name=IMPL_LABELS[impl], x=groups, y=ys, marker_color=color, marker_pattern_shape=pattern,
+                    text=[f"{y:.0f}" if y else "" for y in ys], textposition="outside")
+    fig.update_layout(title="Decode tokens/s on one TPU v5e, from device time (the step program alone)",
+                      yaxis_title="tokens/s (batch / device time per step)", barmode="group",
+                      legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=120), width=1000, height=520)
+    return fig

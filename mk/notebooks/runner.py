@@ -84,12 +84,54 @@ def _name_figure(fig, name: str):
         fig.update_layout(meta={**(meta or {}), FIGURE_META: name})
 
 
+# A figure's size when written as PNG, where its layout names none (kaleido's own default, 700 x 500,
+# cuts long titles and crowds legends), and the characters of a title line at that width.
+EXPORT_WIDTH, EXPORT_HEIGHT = 1100, 560
+TITLE_CHARS_PER_PX = 1 / 9.5
+
+
+def _wrap(text: str, limit: int) -> str:
+    """`text` with '<br>' at word boundaries so that no line is longer than `limit` characters
+    (a line that already holds a '<br>' is kept as it is)."""
+    if "<br>" in text or len(text) <= limit:
+        return text
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > limit:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return "<br>".join(lines + [line])
+
+
+def fit_title(fig, width: int | None = None):
+    """Wrap the figure's title to its width (`EXPORT_WIDTH` where the layout sets none) and make
+    room above the plot for its lines; returns `fig`."""
+    title = fig.layout.title.text
+    if not title:
+        return fig
+    width = width or fig.layout.width or EXPORT_WIDTH
+    text = _wrap(title, int(width * TITLE_CHARS_PER_PX))
+    lines = text.count("<br>") + 1
+    fig.update_layout(title_text=text, margin_t=max(fig.layout.margin.t or 0, 40 + 24 * lines))
+    return fig
+
+
+def _write_png(fig, path) -> None:
+    """PNG through kaleido at the figure's own size, else `EXPORT_WIDTH` x `EXPORT_HEIGHT`."""
+    fit_title(fig)
+    fig.write_image(str(path), width=fig.layout.width or EXPORT_WIDTH, height=fig.layout.height or EXPORT_HEIGHT)
+
+
 def save_figure(fig, name: str, out_dir: str | os.PathLike | None = None) -> str | None:
     """Write a plotly figure as DIR/name.png (kaleido + headless browser) or DIR/name.html.
     DIR = out_dir or $MK_NOTEBOOK_FIGURES; returns the path written, or None if no folder is set or
     the runner runs without export ($MK_NOTEBOOK_EXPORT=0: `render_figures` writes the PNG later).
-    Either way the figure is named in its layout.meta (call before `fig.show()`)."""
+    Either way the figure is named in its layout.meta and its title wrapped to its width
+    (`fit_title`; call before `fig.show()`). A PNG has the layout's size, else EXPORT_WIDTH x EXPORT_HEIGHT."""
     _name_figure(fig, name)
+    fit_title(fig)
     d = out_dir or os.environ.get(FIGURES_ENV)
     if not d or (out_dir is None and os.environ.get(EXPORT_ENV) == "0"):
         return None
@@ -99,7 +141,7 @@ def save_figure(fig, name: str, out_dir: str | os.PathLike | None = None) -> str
         try:
             path = d / f"{name}.png"
             _quiet_choreographer()
-            fig.write_image(str(path))
+            _write_png(fig, path)
             return str(path)
         except Exception as e:  # kaleido / browser trouble: fall back to HTML
             print(f"save_figure: PNG export failed ({type(e).__name__}: {e}); writing HTML", file=sys.stderr)
@@ -300,6 +342,6 @@ def render_figures(directory: str | os.PathLike, out_dir: str | os.PathLike | No
     for nb in nbs:
         for name, fig in plotly_figures(nb):
             path = figs / f"{name}.png"
-            pio.from_json(json.dumps(fig), skip_invalid=True).write_image(str(path))
+            _write_png(pio.from_json(json.dumps(fig), skip_invalid=True), path)
             written.append(str(path))
     return written
