@@ -14,7 +14,7 @@ programs, before the clock starts), ttft_s (time to first token on the host), pr
 prefill_tokens_per_s, decode_s, tokens_per_s (decode tokens/s: tokens after each row's first /
 decode_s), chunk, chunks, decode_steps, backend, config, and the sampling settings. `--prefill
 sequential` (default) runs the prompt through the decode step token by token (no host sync); `parallel` calls
-`mk.model.prefill` where this build has it. `--loop host` is the per-token host loop
+`mk.model.prefill` (all positions at once). `--loop host` is the per-token host loop
 (`mk.model.reference.generate`: prefill_s there includes compiling the step); multi-process runs
 and `--speculative` use it by default. `--speculative K --loop device` drafts, verifies, accepts
 and rolls back on the device (`mk.kernel.speculative.device_generate`; not with

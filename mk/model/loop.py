@@ -174,8 +174,9 @@ def make_prefill(mode: str, step: LoopStep, params: dict, cfg: K3Config):
     """prefill(cache, tokens [B, T] int32) -> (logits after each row's last token [B, V] f32, cache).
 
     "sequential": the decode step over the prompt, token by token (`_sequential`; `mk.model.reference.generate`'s prefill).
-    "parallel": `mk.model.prefill.prefill(params, cache, tokens, lengths, cfg)` (all positions at
-    once, on the reference's params; the caches have the reference's layout, which every step shares)."""
+    "parallel": `mk.model.prefill.prefill(params, cache, tokens, cfg=cfg, experts=...)` (chunks of
+    the prompt's positions at once, on `params` (bf16 or packed MXFP4 experts); the caches have the
+    reference's layout, which every step shares; not bit-exact with the sequential prefill)."""
     if mode == "sequential":
         sequential = lambda cache, tokens: _sequential(step.fn, step.weights, cache, tokens)
         if hasattr(step.fn, "lower"):                 # a jitted step: compiled ahead of the clock
@@ -191,10 +192,18 @@ def make_prefill(mode: str, step: LoopStep, params: dict, cfg: K3Config):
         raise LoopError("--prefill parallel needs mk.model.prefill, which this build does not have yet "
                         "(use --prefill sequential)") from None
 
+    from mk.kernel.step import experts_format
+    experts = experts_format(params)
+
     def parallel(cache, tokens):
-        lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-        logits, cache = module.prefill(params, cache, tokens, lengths, cfg)[:2]
-        return logits[:, -1], cache
+        logits, cache = module.prefill(params, cache, tokens, cfg=cfg, experts=experts)
+        return logits[:, -1], step.place(cache)
+
+    def compile_chunk(cache, tokens):             # the one program `prefill` runs per chunk of the prompt
+        c = min(module.DEFAULT_CHUNK, tokens.shape[1])
+        return module.prefill_chunk.lower(params, cache, tokens[:, :c], jnp.zeros((tokens.shape[0],), jnp.int32),
+                                          cfg=cfg, experts=experts).compile()
+    parallel.compile = compile_chunk
     return parallel
 
 
