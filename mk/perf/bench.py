@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import json
 import os
 import statistics
 import sys
@@ -665,6 +666,7 @@ def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), exper
         log(f"B={B} {impl} loop: " + (f"{row['loop_tok_s']:.1f} tok/s ({row['loop_step_ms']:.3f} ms/step), device "
                                       f"{row['device_step_ms']} ms/step, host loop {row['host_step_ms']} ms/step, "
                                       if row["error"] is None else f"{row['error']}, ") + f"{row['wall_s']:.1f} s")
+        log("row " + json.dumps(row))           # the whole row on stderr: kept if a timeout ends the run
 
     if "kernel" in impls:
         try:
