@@ -557,6 +557,21 @@ def _kernel_step(plan, params: dict, cache: dict):
 GENERATE_IMPLS = ("kernel", "xla")
 
 
+def generate_summary(rows: list[dict]) -> str:
+    """One line of a `measure_generate` run, for its record: per impl, the loop's tokens/s per batch
+    and its fraction of the device step rate."""
+    batches = sorted({r["batch"] for r in rows})
+    parts = []
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        by = {r["batch"]: r for r in rows if r["impl"] == impl and not r.get("error")}
+        if not by:
+            parts.append(f"{impl} not run")
+            continue
+        parts.append(f"{impl} loop {_series((by.get(b, {}).get('loop_tok_s') for b in batches), '.1f')} tok/s, "
+                     f"{_series(by.get(b, {}).get('frac_of_device') for b in batches)} of the device step rate")
+    return f"B = {' / '.join(map(str, batches))}: " + "; ".join(parts)
+
+
 def _kernel_loop_step(plan, params: dict, cache: dict):
     """The kernel's step as an `mk.model.loop.LoopStep` on packed weights shared across batches
     (`pack_key`, as `_kernel_step`)."""
