@@ -177,3 +177,11 @@ def test_measure_generate_pipeline(monkeypatch):
         assert r["loop_tok_s"] == pytest.approx(r["batch"] * 3 / r["decode_s"])
         assert r["host_step_ms"] > 0 and r["loop_speedup"] > 0
         assert r["device_step_ms"] is None and r["frac_of_device"] is None     # no device plane on CPU
+
+
+def test_generate_summary():
+    rows = [{"impl": "kernel", "batch": 1, "loop_tok_s": 164.0, "frac_of_device": 0.993},
+            {"impl": "kernel", "batch": 8, "loop_tok_s": 1200.5, "frac_of_device": 0.98},
+            {"impl": "xla", "batch": 1, "error": "RuntimeError: x"}, {"impl": "xla", "batch": 8, "error": "x"}]
+    assert bench.generate_summary(rows) == ("B = 1 / 8: kernel loop 164.0 / 1200.5 tok/s, 0.99 / 0.98 of the device "
+                                            "step rate; xla not run")

@@ -63,8 +63,10 @@ def test_json_output(capsys, tiny_dir):
     assert res["prompt_tokens"] == [5, 6]
     assert res["backend"] == "reference" and res["config"] == tiny_dir
     assert res["ctx"] == 128 and res["batch"] == 1 and res["temperature"] == 0.0 and res["top_p"] == 1.0
-    for k in ("prefill_s", "decode_s", "tokens_per_s"):
+    for k in ("prefill_s", "decode_s", "tokens_per_s", "ttft_s", "prefill_tokens_per_s"):
         assert isinstance(res[k], float) and res[k] > 0
+    assert res["loop"] == "device" and res["chunk"] == 16 and res["prefill"] == "sequential"
+    assert res["decode_steps"] == 3 and res["chunks"] == 1
     plain = gen(capsys, tiny_dir, "--prompt-tokens", "5,6", "--max-new-tokens", "4")
     assert plain.split() == [str(t) for t in res["tokens"][0]]
 
@@ -126,7 +128,8 @@ def test_speculative_json(capsys, tiny_dir, tmp_path):
     (["--prompt", "hi"], "--prompt needs --checkpoint DIR"),
     (["--prompt-tokens", "1", "--chunk", "0"], "--chunk must be at least 1 step, found 0"),
     (["--prompt-tokens", "1", "--prefill", "parallel", "--loop", "host"], "--prefill parallel needs the device loop"),
-    (["--prompt-tokens", "1", "--speculative", "2", "--loop", "device"], "--speculative runs on the host loop"),
+    (["--prompt-tokens", "1", "--speculative", "2", "--fixed-acceptance-length", "2", "--loop", "device"],
+     "--fixed-acceptance-length runs on the host loop"),
     (["--prompt-tokens", ",".join(["1"] * 130), "--ctx", "128"], "exceed --ctx 128"),
     (["--prompt-tokens", "1", "--checkpoint", "/nonexistent"], "give --config or --checkpoint, not both"),
 ])
@@ -250,3 +253,15 @@ def test_speculative_kernel_plumbing(capsys, tiny_dir, monkeypatch):
     assert calls == [(TINY, 1, 2, mkdrafter.config_for(TINY).aux_layers, res["ctx"], None)] and res["backend"] == "kernel"
     plain = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "3", "--json"))
     assert res["tokens"] == plain["tokens"]
+
+
+def test_speculative_device_loop(capsys, tiny_dir):
+    """--speculative K --loop device: drafts verified and accepted on the device, plain greedy's tokens."""
+    plain = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "5", "--json"))
+    out = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "5", "--json",
+                         "--speculative", "2", "--loop", "device", "--chunk", "2"))
+    assert out["tokens"] == plain["tokens"] and out["loop"] == "device" and out["chunk"] == 2
+    assert len(out["row_mean_acceptance_lengths"]) == 1 and 1 <= out["mean_acceptance_length"] <= 3
+    streamed = gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "5", "--speculative", "2",
+                   "--loop", "device")
+    assert streamed.split() == [str(t) for t in plain["tokens"][0]]

@@ -86,7 +86,14 @@ def test_bad_runs_are_one_line(params, kw, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_parallel_prefill_refused_until_it_exists(params, monkeypatch):
+def test_parallel_prefill(params, host_greedy):
+    """--prefill parallel (mk.model.prefill: not bit-exact with the token-by-token prefill, close
+    enough here that greedy picks the same tokens), compiled ahead of the clock like the sequential one."""
+    res = device(params, 6, 4, prefill="parallel")
+    assert res["tokens"].tolist() == host_greedy[:, :6].tolist()
+
+
+def test_parallel_prefill_refused_without_its_module(params, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "mk.model.prefill", None)
     with pytest.raises(loop.LoopError, match="--prefill parallel needs mk.model.prefill"):
@@ -111,3 +118,108 @@ def test_kernel_device_loop_equals_kernel_host_loop(params, kernel_step_fn):
     host = ref.generate(params, TINY, PROMPT, 4, ctx=CTX, step_fn=kernel_step_fn)["tokens"]
     res = loop.generate(loop.loop_step_of(kernel_step_fn, params, TINY), TINY, PROMPT, 4, ctx=CTX, chunk=3)
     assert res["tokens"].tolist() == host.tolist()
+
+
+def test_kernel_chunk_compiles_for_tpu_with_the_cache_in_place():
+    """Deviceless TPU v5e compile of a 16-step chunk around the megakernel (mini, B = 2, top-p
+    sampling, a stop id): one pallas_call in the program, the whole cache aliased input to output
+    (no copy per chunk), and little else."""
+    import jax
+    from mk.kernel.aot import compile_loop_chunk
+    from mk.kernel.plan import make_plan
+    from mk.model.params import nbytes
+    cfg = get_config("mini")
+    plan = make_plan(cfg, 2, chip="v5e", ctx=256)
+    r = compile_loop_chunk(plan, "v5e:2x2", 16, loop.Sampling(0.7, 0.9, (5,)))
+    assert r.compiled, r.error
+    cache = nbytes(jax.eval_shape(lambda: ref.init_cache(cfg, 2, 256)))
+    assert r.pallas_calls == 1
+    assert r.memory["alias_size_in_bytes"] >= cache - 64 and r.memory["temp_size_in_bytes"] < cache // 4
+
+
+@pytest.mark.slow
+def test_sharded_reference_on_a_mesh_of_two():
+    """--mesh 2 (the sharded reference, two virtual CPU devices): the device loop's tokens are the
+    host loop's."""
+    from mk.model import reference_sharded as rs
+    cfg = TINY.replace(heads=2)
+    mesh = rs.mesh_for(cfg, 2)
+    params = rs.shard_params(mkparams.init(cfg, 0), mesh)
+    step_fn = rs.step_fn_for(cfg, mesh)
+    host = ref.generate(params, cfg, PROMPT, 4, ctx=CTX, step_fn=step_fn)["tokens"]
+    res = loop.generate(loop.loop_step_of(step_fn, params, cfg), cfg, PROMPT, 4, ctx=CTX, chunk=2)
+    assert res["tokens"].tolist() == host.tolist()
+
+
+@pytest.mark.slow
+def test_kernel_on_a_mesh_of_two():
+    """The interpret-mode kernel split over two virtual devices inside the device loop: the host loop's tokens."""
+    from mk.kernel.step import make_step_fn
+    cfg = TINY.replace(heads=2)
+    params = mkparams.init(cfg, 0)
+    step_fn = make_step_fn(params, cfg, 2, ctx=CTX, mesh=2)
+    host = ref.generate(params, cfg, PROMPT, 3, ctx=CTX, step_fn=step_fn)["tokens"]
+    res = loop.generate(loop.loop_step_of(step_fn, params, cfg), cfg, PROMPT, 3, ctx=CTX, chunk=2)
+    assert res["tokens"].tolist() == host.tolist()
+
+
+# ---- speculative decoding on the device (mk.kernel.speculative.device_generate) ----------------------
+
+@pytest.fixture(scope="module")
+def drafter():
+    from mk.model import drafter as mkdrafter
+    dc = mkdrafter.config_for(TINY)
+    return mkdrafter.DSparkDrafter(dc, mkdrafter.init(dc, 3))
+
+
+def test_speculative_device_loop_greedy(params, host_greedy, drafter):
+    """Draft, verify, accept and roll back on the device: plain greedy's tokens and the host
+    speculative loop's; a stop id ends its row."""
+    from mk.kernel import speculative as sp
+    host = sp.generate(params, TINY, PROMPT, 8, drafter, 2)
+    res = sp.device_generate(params, TINY, PROMPT, 8, drafter, 2, chunk=3)
+    assert res["tokens"].tolist() == host["tokens"].tolist() == host_greedy[:, :8].tolist()
+    assert res["lengths"].tolist() == [8, 8] and res["mean_acceptance"] == host["mean_acceptance"]
+    stop = int(host_greedy[0, 3])
+    cut = sp.device_generate(params, TINY, PROMPT, 8, drafter, 2, chunk=3, stop_ids=(stop,))
+    assert cut["lengths"].tolist() == [4, 8] and cut["tokens"][0, :4].tolist() == host_greedy[0, :4].tolist()
+
+
+def test_speculative_device_loop_accepts_drafts(params, host_greedy, drafter, monkeypatch):
+    """A drafter whose first draft is the greedy continuation and second is wrong: every step
+    accepts one draft (acceptance length 2), emits two tokens, and the rows end at max_new exactly."""
+    import jax.numpy as jnp
+    from mk.kernel import speculative as sp
+    from mk.model import drafter as mkdrafter
+    truth = jnp.asarray(np.concatenate([PROMPT, host_greedy], 1))
+
+    def draft(params, cache, anchor, pos, *, dc, k):
+        d = jnp.take_along_axis(truth, jnp.clip(pos[:, None] + 1 + jnp.arange(k)[None], 0, truth.shape[1] - 1), 1)
+        return jnp.where(jnp.arange(k)[None] < 1, d, (d + 1) % TINY.vocab).astype(jnp.int32)
+
+    monkeypatch.setattr(mkdrafter, "draft", draft)
+    res = sp.device_generate(params, TINY, PROMPT, 8, drafter, 2, chunk=2)
+    assert res["tokens"].tolist() == host_greedy[:, :8].tolist() and res["lengths"].tolist() == [8, 8]
+    assert res["acceptance"] == [2.0, 2.0] and res["steps"] == 4        # 1 + 4 x 2 tokens, the last one cut
+
+
+@pytest.mark.slow
+def test_speculative_device_loop_sampling(params, host_greedy, drafter):
+    from mk.kernel import speculative as sp
+    kw = dict(temperature=1.5, top_p=0.9, seed=2, chunk=2)
+    a = sp.device_generate(params, TINY, PROMPT, 6, drafter, 2, **kw)["tokens"]
+    assert sp.device_generate(params, TINY, PROMPT, 6, drafter, 2, **kw)["tokens"].tolist() == a.tolist()
+    assert a.tolist() != host_greedy[:, :6].tolist()
+    tiny = sp.device_generate(params, TINY, PROMPT, 6, drafter, 2, **dict(kw, top_p=1e-6))["tokens"]
+    assert tiny.tolist() == host_greedy[:, :6].tolist()
+
+
+@pytest.mark.slow
+def test_speculative_device_loop_on_the_kernel(params, host_greedy, drafter):
+    """The kernel's verify step (interpret mode: per-row states, rollback by state_row, aux rows
+    copied out) inside the device loop: plain greedy's tokens."""
+    from mk.kernel import speculative as sp
+    from mk.kernel.step import KernelVerifier
+    verifier = KernelVerifier(params, TINY, 2, 2, drafter.aux_layers, ctx=CTX)
+    res = sp.device_generate(params, TINY, PROMPT, 5, drafter, 2, ctx=CTX, verifier=verifier, chunk=2)
+    assert res["tokens"].tolist() == host_greedy[:, :5].tolist()

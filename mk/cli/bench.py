@@ -20,7 +20,7 @@ decode_s, loop_step_ms and loop_tok_s (the loop, wall clock), device_step_ms and
 step's device time from a `jax.profiler` trace, as above), frac_of_device (loop_tok_s /
 device_tok_s: 1.0 = no gap between steps), host_step_ms and host_tok_s (the per-token host loop,
 each step timed to block_until_ready), loop_speedup (loop_tok_s / host_tok_s), ttft_s, compile_s,
-wall_s, error.
+wall_s, error. `--json` adds a record (`mk.perf.results`, kind "generate", key config, experts, chunk).
 """
 from __future__ import annotations
 
@@ -102,7 +102,10 @@ def _run_generate(args, bench, cfg, batches, impls) -> int:
                                   mxfp4_unpack=args.mxfp4_unpack)
     meta = dict(bench.metadata(cfg, args.experts, steps, 1), mode="generate", chunk=args.chunk)
     if args.json:
-        json.dump({"metadata": meta, "rows": rows}, sys.stdout, indent=2)
+        from mk.perf.results import provenance
+        record = provenance("generate", {"config": meta["config"], "experts": args.experts, "chunk": args.chunk},
+                            bench.generate_summary(rows))
+        json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     print(f"{meta['config']} on {meta['device_kind']}, experts {meta['experts']}, device loop: {steps} decode steps "

@@ -14,9 +14,11 @@ programs, before the clock starts), ttft_s (time to first token on the host), pr
 prefill_tokens_per_s, decode_s, tokens_per_s (decode tokens/s: tokens after each row's first /
 decode_s), chunk, chunks, decode_steps, backend, config, and the sampling settings. `--prefill
 sequential` (default) runs the prompt through the decode step token by token (no host sync); `parallel` calls
-`mk.model.prefill` where this build has it. `--loop host` is the per-token host loop
-(`mk.model.reference.generate`: prefill_s there includes compiling the step); `--speculative`
-and multi-process runs use it.
+`mk.model.prefill` (all positions at once). `--loop host` is the per-token host loop
+(`mk.model.reference.generate`: prefill_s there includes compiling the step); multi-process runs
+and `--speculative` use it by default. `--speculative K --loop device` drafts, verifies, accepts
+and rolls back on the device (`mk.kernel.speculative.device_generate`; not with
+--fixed-acceptance-length); its --json reports row_mean_acceptance_lengths instead of every step's.
 
 Weights: `mk.model.params.init(config, seed)` for `--config` (a preset name or a checkpoint directory's
 config), or the tensors of `--checkpoint DIR`. `--backend kernel` runs the megakernel
@@ -87,9 +89,8 @@ def _check_options(args):
     if args.chunk < 1:
         raise GenerateError(f"--chunk must be at least 1 step, found {args.chunk}")
     loop = _loop(args)
-    if loop == "device" and args.speculative is not None:
-        raise GenerateError("--speculative runs on the host loop (mk.kernel.speculative); the device loop "
-                            "does not verify drafts yet (drop --loop device)")
+    if loop == "device" and args.fixed_acceptance_length is not None:
+        raise GenerateError("--fixed-acceptance-length runs on the host loop (drop --loop device)")
     if loop == "device" and args.coordinator is not None:
         raise GenerateError("--coordinator (multi-process) runs on the host loop; drop --loop device")
     if loop == "host" and args.prefill != "sequential":
@@ -316,19 +317,33 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         kernel = _optional_module("mk.kernel.step", "--backend kernel")
         verifier = kernel.KernelVerifier(params, cfg, args.batch, args.speculative, dcfg.aux_layers, ctx=ctx,
                                          mesh=args.mesh, **step_options(args))
-    res = speculative.generate(params, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)),
-                               args.max_new_tokens, mkdrafter.DSparkDrafter(dcfg, weights), args.speculative,
-                               temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,
-                               fixed_acceptance=args.fixed_acceptance_length, verifier=verifier)
+    rows = np.tile(np.asarray(prompt, np.int32), (args.batch, 1))
+    drafter = mkdrafter.DSparkDrafter(dcfg, weights)
+    stream = None
+    if _loop(args) == "device":
+        stream = _Stream(tokenizer) if args.batch == 1 and not args.json else None
+        res = speculative.device_generate(params, cfg, rows, args.max_new_tokens, drafter, args.speculative,
+                                          temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,
+                                          verifier=verifier, chunk=args.chunk, on_tokens=stream,
+                                          stop_ids=tuple(tokenizer.eos_ids) if tokenizer is not None else ())
+        if stream is not None:
+            stream.close()
+        res = dict(res, tokens=[[int(t) for t in r[:n]] for r, n in zip(res["tokens"], res["lengths"])])
+        extra = {"chunk": res["chunk"], "chunks": res["chunks"], "row_mean_acceptance_lengths": res["acceptance"]}
+    else:
+        res = speculative.generate(params, cfg, rows, args.max_new_tokens, drafter, args.speculative,
+                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,
+                                   fixed_acceptance=args.fixed_acceptance_length, verifier=verifier)
+        extra = {"acceptance_lengths": res["acceptance"]}
     return _print_result(args, res, prompt, tokenizer, {
         "device": jax.devices()[0].platform,
         "speculative": args.speculative, "drafter": args.drafter,
         "fixed_acceptance_length": args.fixed_acceptance_length,
-        "loop": "host", "acceptance_lengths": res["acceptance"], "mean_acceptance_length": res["mean_acceptance"],
+        "loop": _loop(args), **extra, "mean_acceptance_length": res["mean_acceptance"],
         "tokens_per_step": res["tokens_per_step"], "steps": res["steps"],
         "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
         "mesh": args.mesh, "batch": args.batch, "ctx": res["ctx"], "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed})
+        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}, printed=stream is not None)
 
 
 def add_parser(subparsers):
@@ -360,7 +375,8 @@ def add_parser(subparsers):
                         "tokens while the next runs")
     p.add_argument("--loop", choices=("device", "host"), default=None,
                    help="device: chunks of --chunk steps on the device (default); host: one dispatch and one "
-                        "sync per token (the default for --speculative and multi-process runs)")
+                        "sync per token (the default for --speculative and multi-process runs; "
+                        "--speculative K --loop device verifies on the device)")
     p.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
                    help="sequential: the prompt through the decode step, token by token, without a host sync "
                         "(default); parallel: mk.model.prefill, all positions at once")

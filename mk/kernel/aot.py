@@ -286,6 +286,22 @@ def compile_kernel(plan: Plan, topology: str = "tpu7x:2x2x1", probe_vmem: bool =
     return r
 
 
+def compile_loop_chunk(plan: Plan, topology: str = "tpu7x:2x2x1", chunk: int = 16, sampling=None) -> CompileResult:
+    """`mk.model.loop`'s decode chunk (`chunk` steps of the megakernel in a while_loop, sampling on
+    the device) compiled for `topology`; its memory shows whether the cache stays in place
+    (alias_size_in_bytes = the cache's) and what the loop adds (temp_size_in_bytes)."""
+    import functools
+    from mk.model import loop
+    sampling = sampling or loop.Sampling()
+    mesh, device = _mesh(plan.layout, topology)
+    weights, cache, _ = kernel_abstract_inputs(plan, mesh)
+    state = jax.eval_shape(functools.partial(loop.first_token, sampling=sampling),
+                           jax.ShapeDtypeStruct((plan.batch, plan.config.vocab), jnp.float32), jax.random.PRNGKey(0), 1)
+    fn = jax.jit(functools.partial(loop.decode_chunk, _kernel_step(plan, mesh), n=chunk, sampling=sampling),
+                 donate_argnums=(1,))
+    return _compile(fn, (weights, cache, state), device)
+
+
 def vmem_probe(plan: Plan, mesh, device) -> dict:
     """Does the compiler fit the kernel into the VMEM the plan budgets? Compiles the same kernel
     (same plan, same scratch) once more with its VMEM limit set to the plan's budget

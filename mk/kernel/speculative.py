@@ -177,6 +177,12 @@ class ReferenceVerifier:
     def commit(self, cache, block, count):
         return ref.commit(cache, block, jnp.asarray(count, jnp.int32))
 
+    def traced(self, params, aux_layers):
+        """(weights, verify(weights, cache, tokens) -> (logits, block), commit(cache, block, count)),
+        traceable, for `device_generate`."""
+        verify = lambda w, c, t: ref.verify_step(w, c, t, cfg=self.cfg, aux_layers=tuple(aux_layers))
+        return params, verify, ref.commit
+
 
 # ---- the loop --------------------------------------------------------------------------------
 
@@ -211,23 +217,8 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     prefiller = ReferenceVerifier(cfg) if reference_prefill else verifier
 
     t0 = time.perf_counter()
-    cache = prefiller.init_cache(B, ctx)
-    dstate = drafter.start(B, ctx)
-    for s in range(0, T0, T):                      # prefill: blocks of T prompt tokens
-        chunk = prompt[:, s:s + T]
-        real = chunk.shape[1]
-        chunk = np.concatenate([chunk, np.repeat(chunk[:, -1:], T - real, 1)], 1)
-        pos = np.asarray(cache["pos"])
-        logits, block = prefiller.verify(params, cache, jnp.asarray(chunk), aux_layers)
-        if aux_layers:
-            dstate = drafter.observe(dstate, block["aux"], pos)
-        cache = prefiller.commit(cache, block, jnp.full((B,), real - 1, jnp.int32))
-    if prefiller is not verifier:
-        cache = verifier.adopt(cache)
-    last = np.asarray(logits[:, real - 1])
-    pos = np.asarray(cache["pos"])                 # = T0: the first generated token's position
-    anchor = np.asarray([_first_token(last[b], temperature, top_p, seed, b, int(pos[b])) for b in range(B)])
-    jax.block_until_ready(cache["pos"])
+    cache, dstate, anchor, pos = _prefill(params, prompt, drafter, k, ctx, verifier, prefiller, temperature, top_p,
+                                          seed)
     t1 = time.perf_counter()
 
     out = [[int(a)] for a in anchor]
@@ -264,6 +255,183 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
             "steps": steps, "mean_acceptance": float(np.mean(flat)) if flat else 0.0,
             "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
             "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx}
+
+
+def _prefill(params, prompt, drafter, k, ctx, verifier, prefiller, temperature, top_p, seed):
+    """The prompt [B, T0] through the verify step in blocks of 1 + k tokens -> (cache, drafter state,
+    first tokens [B], their position [B]); the cache in `verifier`'s layout."""
+    B, T0 = prompt.shape
+    T = 1 + k
+    aux_layers = tuple(drafter.aux_layers)
+    cache = prefiller.init_cache(B, ctx)
+    dstate = drafter.start(B, ctx)
+    for s in range(0, T0, T):                      # prefill: blocks of T prompt tokens
+        chunk = prompt[:, s:s + T]
+        real = chunk.shape[1]
+        chunk = np.concatenate([chunk, np.repeat(chunk[:, -1:], T - real, 1)], 1)
+        pos = np.asarray(cache["pos"])
+        logits, block = prefiller.verify(params, cache, jnp.asarray(chunk), aux_layers)
+        if aux_layers:
+            dstate = drafter.observe(dstate, block["aux"], pos)
+        cache = prefiller.commit(cache, block, jnp.full((B,), real - 1, jnp.int32))
+    if prefiller is not verifier:
+        cache = verifier.adopt(cache)
+    last = np.asarray(logits[:, real - 1])
+    pos = np.asarray(cache["pos"])                 # = T0: the first generated token's position
+    anchor = np.asarray([_first_token(last[b], temperature, top_p, seed, b, int(pos[b])) for b in range(B)])
+    jax.block_until_ready(cache["pos"])
+    return cache, dstate, anchor, pos
+
+
+# ---- on the device ---------------------------------------------------------------------------
+
+def accept_on_device(logits, drafts, pos, temperature: float, top_p: float, seed: int):
+    """`accept_greedy` / `accept_sample` (one-hot proposals) for every row at once, traceable:
+    logits [B, 1 + k, V], drafts [B, k], pos [B] (each row's step position: its uniforms are
+    `uniforms(seed, row, pos)`) -> (count [B], bonus [B]) int32. Sampling runs in f32 here (the
+    host loop's residual draw in f64 may differ in a rare last bit)."""
+    B, T, V = logits.shape
+    k = T - 1
+    if temperature <= 0:
+        target = jnp.argmax(logits, -1).astype(jnp.int32)
+        count = jnp.sum(jnp.cumprod((drafts == target[:, :k]).astype(jnp.int32), 1), 1)
+        return count, jnp.take_along_axis(target, count[:, None], 1)[:, 0]
+    p = nucleus_probs(logits, temperature, top_p)                                       # [B, T, V]
+    base = jax.random.PRNGKey(seed)
+    u = jax.vmap(lambda b, q: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(base, b), q), (T, 2)))(
+        jnp.arange(B), pos)                                                            # [B, T, 2]
+    pd = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]                  # [B, k]
+    count = jnp.sum(jnp.cumprod((u[:, :k, 0] < pd).astype(jnp.int32), 1), 1)
+    r = jnp.take_along_axis(p, count[:, None, None], 1)[:, 0]                          # [B, V]
+    d = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), count[:, None], 1)[:, 0]
+    resid = jnp.maximum(r - jnp.where((count < k)[:, None], jax.nn.one_hot(d, V, dtype=r.dtype), 0.0), 0.0)
+    c = jnp.cumsum(resid, -1)
+    x = jnp.take_along_axis(u[:, :, 1], count[:, None], 1)[:, 0] * c[:, -1]
+    bonus = jnp.minimum(jnp.sum(c <= x[:, None], -1), V - 1).astype(jnp.int32)          # searchsorted, right
+    return count, bonus
+
+
+def speculative_chunk(verify, commit, dc, weights, dparams, cache, dcache, s, *, n: int, k: int,
+                      aux: bool, temperature: float, top_p: float, seed: int, stop_ids: tuple[int, ...], pad: int):
+    """Up to n draft-verify-accept steps on the device -> (cache, dcache, state, tokens [B, n (1 + k)]
+    int32 (each row's emitted tokens first, then pad), done [B]).
+
+    state: anchor [B], pos [B], done [B], count [B] (tokens emitted), max_new [], steps [],
+    accepted [B] (sum of acceptance lengths), row_steps [B]. A row emits its accepted drafts and the
+    bonus, cut at a stop id (emitted) or at max_new. A done row keeps its position (the rows step
+    together; its states are then not used again), so positions stay within prompt + max_new + 2(1 + k)."""
+    from mk.model import drafter as mkdrafter
+    from mk.model.loop import _is_stop
+    B, T = s["anchor"].shape[0], 1 + k
+    W = n * T
+    j = jnp.arange(T)
+
+    def cond(c):
+        return (c[0] < n) & ~jnp.all(c[3]["done"])
+
+    def body(c):
+        i, cache, dcache, s, out, written = c
+        live = ~s["done"]
+        with jax.named_scope("draft"):
+            drafts = mkdrafter.draft(dparams, dcache, s["anchor"], s["pos"], dc=dc, k=k)
+        with jax.named_scope("verify"):
+            logits, block = verify(weights, cache, jnp.concatenate([s["anchor"][:, None], drafts], 1))
+        with jax.named_scope("accept"):
+            count, bonus = accept_on_device(logits, drafts, s["pos"], temperature, top_p, seed)
+            if aux:
+                dcache = mkdrafter.observe(dparams, dcache, block["aux"], s["pos"], dc=dc)
+            cache = commit(cache, block, count)
+            cache["pos"] = jnp.where(live, cache["pos"], s["pos"])
+            em = jnp.where(j[None] < count[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])   # [B, T]
+            stop = _is_stop(em, stop_ids) & (j[None] <= count[:, None])
+            first_stop = jnp.where(stop.any(1), jnp.argmax(stop, 1), T)
+            n_emit = jnp.minimum(jnp.minimum(count + 1, s["max_new"] - s["count"]), first_stop + 1)
+            n_emit = jnp.where(live, n_emit, 0)
+            idx = jnp.where(j[None] < n_emit[:, None], written[:, None] + j[None], W)
+            out = out.at[jnp.arange(B)[:, None], idx].set(em, mode="drop")
+            emitted = s["count"] + n_emit
+            done = s["done"] | (live & ((emitted >= s["max_new"]) | (first_stop < n_emit)))
+        s = dict(s, anchor=jnp.where(live, bonus, s["anchor"]), pos=cache["pos"], done=done, count=emitted,
+                 steps=s["steps"] + 1, accepted=s["accepted"] + jnp.where(live, count + 1, 0),
+                 row_steps=s["row_steps"] + live.astype(jnp.int32))
+        return i + 1, cache, dcache, s, out, written + n_emit
+
+    out = jnp.full((B, W), pad, jnp.int32)
+    _, cache, dcache, s, out, _ = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), cache, dcache, s, out, jnp.zeros((B,), jnp.int32)))
+    return cache, dcache, s, out, s["done"]
+
+
+def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, temperature: float = 0.0,
+                    top_p: float = 1.0, seed: int = 0, ctx: int | None = None, verifier=None, chunk: int = 16,
+                    stop_ids=(), on_tokens=None) -> dict:
+    """`generate` with the draft-verify-accept steps on the device (`speculative_chunk`, up to
+    `chunk` steps per dispatch, the next dispatched before the previous is read, as `mk.model.loop`).
+    drafter: a `mk.model.drafter.DSparkDrafter` (its JAX functions run inside the loop); verifier:
+    `ReferenceVerifier` (default) or `mk.kernel.step.KernelVerifier`. Prefill and the first token as
+    `generate`. Returns tokens [B, max emitted] (pad -1), lengths, acceptance means and timings as
+    `generate` (acceptance: mean length per row), plus chunk, chunks."""
+    import functools
+    from mk.model.loop import PAD
+    prompt = np.asarray(prompt, np.int32)
+    if prompt.ndim == 1:
+        prompt = prompt[None]
+    B, T0 = prompt.shape
+    if T0 == 0:
+        raise SpeculativeError("the prompt must hold at least one token")
+    if chunk < 1:
+        raise SpeculativeError(f"--chunk must be at least 1 step, found {chunk}")
+    check_k(k, B)
+    ctx = context_for(T0, max_new_tokens, k, ctx)
+    ref._check_tokens(prompt, cfg, ctx)
+    verifier = verifier or ReferenceVerifier(cfg)
+    aux_layers = tuple(drafter.aux_layers)
+    weights, verify, commit = verifier.traced(params, aux_layers)
+    stop_ids = tuple(int(t) for t in stop_ids)
+    fn = jax.jit(functools.partial(speculative_chunk, verify, commit, drafter.dc, n=chunk, k=k, aux=bool(aux_layers),
+                                   temperature=temperature, top_p=top_p, seed=seed, stop_ids=stop_ids, pad=PAD),
+                 donate_argnums=(2, 3))
+
+    t0 = time.perf_counter()
+    cache, dcache, anchor, pos = _prefill(params, prompt, drafter, k, ctx, verifier, verifier, temperature, top_p,
+                                          seed)
+    t1 = time.perf_counter()
+    head = anchor.astype(np.int32)[:, None]
+    if on_tokens is not None:
+        on_tokens(head)
+    done = np.isin(head[:, 0], stop_ids) | (max_new_tokens <= 1)
+    state = {"anchor": jnp.asarray(head[:, 0]), "pos": jnp.asarray(pos, jnp.int32), "done": jnp.asarray(done),
+             "count": jnp.ones((B,), jnp.int32), "max_new": jnp.asarray(max_new_tokens, jnp.int32),
+             "steps": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((B,), jnp.int32),
+             "row_steps": jnp.zeros((B,), jnp.int32)}
+    pieces, chunks = [head], 0
+    pending = None if done.all() else fn(weights, drafter.params, cache, dcache, state)
+    while pending is not None:
+        cache, dcache, state, toks, done_dev = pending
+        chunks += 1
+        pending = fn(weights, drafter.params, cache, dcache, state)     # out before this chunk is read
+        toks, done = np.asarray(toks), np.asarray(done_dev)
+        pieces.append(toks)
+        if on_tokens is not None:
+            on_tokens(toks)
+        if done.all():
+            break
+    if pending is not None:
+        jax.block_until_ready(pending[3])
+    t2 = time.perf_counter()
+    rows = [[int(t) for t in np.concatenate([p[b] for p in pieces]) if t != PAD] for b in range(B)]
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    tokens = np.full((B, int(lengths.max())), PAD, np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, :len(r)] = r
+    accepted, row_steps = np.asarray(state["accepted"]), np.asarray(state["row_steps"])
+    steps = int(np.asarray(state["steps"]))
+    emitted = int(lengths.sum()) - B
+    return {"tokens": tokens, "lengths": lengths, "steps": steps,
+            "acceptance": [float(a) / max(int(n), 1) for a, n in zip(accepted, row_steps)],
+            "mean_acceptance": float(accepted.sum()) / max(int(row_steps.sum()), 1),
+            "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+            "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx, "chunk": chunk, "chunks": chunks}
 
 
 def _first_token(logits, temperature, top_p, seed, row, position) -> int:

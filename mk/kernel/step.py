@@ -302,6 +302,13 @@ class KernelVerifier:
     def commit(self, cache: dict, block: dict, count) -> dict:
         return commit(block, jnp.asarray(count, jnp.int32))
 
+    def traced(self, _params, aux_layers):
+        """(weights, verify, commit) traceable, for `mk.kernel.speculative.device_generate`: the jitted
+        verify step on the packed weights (the cache must be `adopt`ed, i.e. on the mesh, already)."""
+        if tuple(aux_layers) != self.aux_layers:
+            raise ValueError(f"aux layers {tuple(aux_layers)} requested, the verifier's plan copies {self.aux_layers}")
+        return self.weights, self._verify, lambda cache, block, count: commit(block, count)
+
 
 def teacher_forced_logits(params: dict, cfg: K3Config, tokens, ctx: int | None = None, **kw) -> np.ndarray:
     """tokens [T] as one row from position 0 -> float32 logits [T, V], via the kernel."""

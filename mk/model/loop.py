@@ -174,8 +174,9 @@ def make_prefill(mode: str, step: LoopStep, params: dict, cfg: K3Config):
     """prefill(cache, tokens [B, T] int32) -> (logits after each row's last token [B, V] f32, cache).
 
     "sequential": the decode step over the prompt, token by token (`_sequential`; `mk.model.reference.generate`'s prefill).
-    "parallel": `mk.model.prefill.prefill(params, cache, tokens, lengths, cfg)` (all positions at
-    once, on the reference's params; the caches have the reference's layout, which every step shares)."""
+    "parallel": `mk.model.prefill.prefill(params, cache, tokens, cfg=cfg, experts=...)` (chunks of
+    the prompt's positions at once, on `params` (bf16 or packed MXFP4 experts); the caches have the
+    reference's layout, which every step shares; not bit-exact with the sequential prefill)."""
     if mode == "sequential":
         sequential = lambda cache, tokens: _sequential(step.fn, step.weights, cache, tokens)
         if hasattr(step.fn, "lower"):                 # a jitted step: compiled ahead of the clock
@@ -191,10 +192,18 @@ def make_prefill(mode: str, step: LoopStep, params: dict, cfg: K3Config):
         raise LoopError("--prefill parallel needs mk.model.prefill, which this build does not have yet "
                         "(use --prefill sequential)") from None
 
+    from mk.kernel.step import experts_format
+    experts = experts_format(params)
+
     def parallel(cache, tokens):
-        lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-        logits, cache = module.prefill(params, cache, tokens, lengths, cfg)[:2]
-        return logits[:, -1], cache
+        logits, cache = module.prefill(params, cache, tokens, cfg=cfg, experts=experts)
+        return logits[:, -1], step.place(cache)
+
+    def compile_chunk(cache, tokens):             # the one program `prefill` runs per chunk of the prompt
+        c = min(module.DEFAULT_CHUNK, tokens.shape[1])
+        return module.prefill_chunk.lower(params, cache, tokens[:, :c], jnp.zeros((tokens.shape[0],), jnp.int32),
+                                          cfg=cfg, experts=experts).compile()
+    parallel.compile = compile_chunk
     return parallel
 
 
@@ -225,10 +234,10 @@ def generate(step: LoopStep, cfg: K3Config, prompt, max_new_tokens: int, *, samp
 
     on_tokens(tokens [B, n] int32, pad where a row emitted nothing) is called with the first token
     and then with each chunk as it reaches the host. Returns tokens [B, max emitted] (pad-filled),
-    lengths [B] (each row's emitted tokens, a stop id included), and timings: compile_s (prefill and
-    chunk programs, before the clock starts), prefill_s and ttft_s (to the first token on the host),
-    decode_s (first token to the last chunk on the host), decode_steps, tokens_per_s (tokens
-    emitted after the first / decode_s), prefill_tokens_per_s, chunk, chunks."""
+    lengths [B] (each row's emitted tokens, a stop id included), and timings: compile_s (the
+    prefill, first-token and chunk programs, before the clock starts), prefill_s and ttft_s (to the
+    first token on the host), decode_s (first token to the last chunk on the host), decode_steps,
+    tokens_per_s (tokens emitted after the first / decode_s), prefill_tokens_per_s, chunk, chunks."""
     prompt = np.asarray(prompt, np.int32)
     if prompt.ndim == 1:
         prompt = prompt[None]
@@ -244,8 +253,9 @@ def generate(step: LoopStep, cfg: K3Config, prompt, max_new_tokens: int, *, samp
     cache = step.place(ref.init_cache(cfg, B, ctx))
     if hasattr(run_prefill, "compile"):           # compile ahead of the clock (jit reuses it)
         run_prefill.compile(cache, tokens)
-    state_shape = jax.eval_shape(first, jax.ShapeDtypeStruct((B, cfg.vocab), jnp.float32),
-                                 jax.random.PRNGKey(0), max_new_tokens)
+    first_args = (jax.ShapeDtypeStruct((B, cfg.vocab), jnp.float32), jax.random.PRNGKey(0), max_new_tokens)
+    first.lower(*first_args).compile()
+    state_shape = jax.eval_shape(first, *first_args)
     chunk_fn.lower(step.weights, cache, state_shape).compile()
     compile_s = time.perf_counter() - t_compile
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import json
 import os
 import statistics
 import sys
@@ -556,6 +557,21 @@ def _kernel_step(plan, params: dict, cache: dict):
 GENERATE_IMPLS = ("kernel", "xla")
 
 
+def generate_summary(rows: list[dict]) -> str:
+    """One line of a `measure_generate` run, for its record: per impl, the loop's tokens/s per batch
+    and its fraction of the device step rate."""
+    batches = sorted({r["batch"] for r in rows})
+    parts = []
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        by = {r["batch"]: r for r in rows if r["impl"] == impl and not r.get("error")}
+        if not by:
+            parts.append(f"{impl} not run")
+            continue
+        parts.append(f"{impl} loop {_series((by.get(b, {}).get('loop_tok_s') for b in batches), '.1f')} tok/s, "
+                     f"{_series(by.get(b, {}).get('frac_of_device') for b in batches)} of the device step rate")
+    return f"B = {' / '.join(map(str, batches))}: " + "; ".join(parts)
+
+
 def _kernel_loop_step(plan, params: dict, cache: dict):
     """The kernel's step as an `mk.model.loop.LoopStep` on packed weights shared across batches
     (`pack_key`, as `_kernel_step`)."""
@@ -665,6 +681,7 @@ def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), exper
         log(f"B={B} {impl} loop: " + (f"{row['loop_tok_s']:.1f} tok/s ({row['loop_step_ms']:.3f} ms/step), device "
                                       f"{row['device_step_ms']} ms/step, host loop {row['host_step_ms']} ms/step, "
                                       if row["error"] is None else f"{row['error']}, ") + f"{row['wall_s']:.1f} s")
+        log("row " + json.dumps(row))           # the whole row on stderr: kept if a timeout ends the run
 
     if "kernel" in impls:
         try:
