@@ -537,18 +537,23 @@ def _dequantized_on_device(params: dict) -> dict:
     return dict(params, moe=moe)
 
 
-def _kernel_step(plan, params: dict, cache: dict):
-    """The kernel's step on its packed weights; the weights of the previous batch are reused when
-    `pack_key` is equal, else freed before packing anew."""
+def _packed_weights(plan, params: dict, cache: dict):
+    """The kernel's packed weights for `plan`: the previous batch's when `pack_key` is equal, else
+    those are freed before packing anew (cache: {"key", "weights"}, shared across a bench's batches)."""
     from mk.kernel.step import kernel_weights
-    from mk.kernel.decode import make_decode_step
     key = pack_key(plan)
     if cache["key"] != key:
         cache["weights"] = None
         gc.collect()
         cache["weights"] = kernel_weights(plan, params)
         cache["key"] = key
-    weights = cache["weights"]
+    return cache["weights"]
+
+
+def _kernel_step(plan, params: dict, cache: dict):
+    """The kernel's step on its packed weights (`_packed_weights`)."""
+    from mk.kernel.decode import make_decode_step
+    weights = _packed_weights(plan, params, cache)
     fn = make_decode_step(plan)
     return lambda c, t: fn(weights, c, t)
 
@@ -573,18 +578,10 @@ def generate_summary(rows: list[dict]) -> str:
 
 
 def _kernel_loop_step(plan, params: dict, cache: dict):
-    """The kernel's step as an `mk.model.loop.LoopStep` on packed weights shared across batches
-    (`pack_key`, as `_kernel_step`)."""
-    from mk.kernel.step import kernel_weights
+    """The kernel's step as an `mk.model.loop.LoopStep` on its packed weights (`_packed_weights`)."""
     from mk.kernel.decode import make_decode_step
     from mk.model.loop import LoopStep
-    key = pack_key(plan)
-    if cache["key"] != key:
-        cache["weights"] = None
-        gc.collect()
-        cache["weights"] = kernel_weights(plan, params)
-        cache["key"] = key
-    return LoopStep(make_decode_step(plan), cache["weights"])
+    return LoopStep(make_decode_step(plan), _packed_weights(plan, params, cache))
 
 
 def generate_row(step, cfg: K3Config, batch: int, tokens: np.ndarray, steps: int, chunk: int, ctx: int,
