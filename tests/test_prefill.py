@@ -195,3 +195,17 @@ def test_prefill_bench_refuses_off_tpu():
     with pytest.raises(UserError, match="on a TPU") as e:
         prefill_bench(get_config("mini"), (8,), log=lambda m: pytest.fail(f"bench started: {m}"))
     assert "\n" not in str(e.value)
+
+
+def test_prefill_mxfp4_experts_equal_their_dequantization():
+    """Packed MXFP4 experts (dequantized layer by layer inside the program) give the logits and
+    caches of the same prefill on their bf16 dequantization."""
+    from mk.io.synth import mxfp4_params
+    cfg = get_config("mini")
+    packed, deq = mxfp4_params(cfg, 0)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab, (1, 12)).astype(np.int32)
+    want_logits, want = prefill(deq, ref.init_cache(cfg, 1, CTX), tokens, cfg=cfg, chunk=12)
+    logits, cache = prefill(packed, ref.init_cache(cfg, 1, CTX), tokens, cfg=cfg, chunk=12, experts="mxfp4")
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5)
+    for name in want:
+        np.testing.assert_allclose(np.asarray(cache[name], np.float32), np.asarray(want[name], np.float32), atol=1e-5)

@@ -217,7 +217,7 @@ def prefill_chunk(params: dict, cache: dict, tokens, count, *, cfg: K3Config, ex
             x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps, cfg.n_blocks)
             m = rms(x, lw["ffn_norm"], cfg.eps)
             z = dense_layer(m, params["dense"], cfg) if l == 0 else \
-                moe_layer(m, params["moe"], l - 1, cfg, experts, "ragged")[0]
+                moe_layer(m, params["moe"], l - 1, cfg, experts, "ragged", one_layer=True)[0]
             p = bf(p + z)
     with jax.named_scope("head"):
         h = mix(p, blocks, params["output_res"], cfg.eps)

@@ -209,8 +209,10 @@ def routed_loop(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts: s
     return jax.lax.fori_loop(0, n, body, acc)
 
 
-def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts: str):
-    """Same sum with rows sorted by expert and `jax.lax.ragged_dot` over all E experts."""
+def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts: str, one_layer: bool = False):
+    """Same sum with rows sorted by expert and `jax.lax.ragged_dot` over all E experts.
+    one_layer: MXFP4 experts of layer i only are dequantized (the default dequantizes every
+    layer's, 8.9 GB of temporaries at k3-chip: the parallel prefill's choice, `mk.model.prefill`)."""
     B, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -218,10 +220,15 @@ def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts:
     # groups of every layer's experts, this layer's the only non-empty ones: a static layer slice
     # `w[n][i]` would be copied by XLA every step (module doc)
     E, n_moe = cfg.experts, cfg.n_moe
-    sizes = jnp.zeros((n_moe * E,), jnp.int32).at[i * E:(i + 1) * E].set(jnp.bincount(flat, length=E))
-    merge = lambda x: x.reshape(n_moe * E, *x.shape[2:])
-    fam = lambda n: (jnp.swapaxes(dequantize(merge(w[n]["packed"]), merge(w[n]["scale"])), -1, -2)
-                     if experts == "mxfp4" else merge(w[n]))                          # [n_moe * E, K, N]
+    counts = jnp.bincount(flat, length=E)
+    if one_layer and experts == "mxfp4":
+        sizes = counts
+        fam = lambda n: jnp.swapaxes(dequantize(w[n]["packed"][i], w[n]["scale"][i]), -1, -2)  # [E, K, N]
+    else:
+        sizes = jnp.zeros((n_moe * E,), jnp.int32).at[i * E:(i + 1) * E].set(counts)
+        merge = lambda x: x.reshape(n_moe * E, *x.shape[2:])
+        fam = lambda n: (jnp.swapaxes(dequantize(merge(w[n]["packed"]), merge(w[n]["scale"])), -1, -2)
+                         if experts == "mxfp4" else merge(w[n]))                      # [n_moe * E, K, N]
     rd = lambda x, n: jax.lax.ragged_dot(x, fam(n), sizes, preferred_element_type=F32)
     h = situ(bf(rd(x, "w1")), bf(rd(x, "w3")), cfg.situ_beta, cfg.situ_linear_beta)
     out = bf(rd(h, "w2"))
@@ -232,13 +239,13 @@ def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts:
     return acc
 
 
-def moe_layer(m, moe_params: dict, i: int, cfg: K3Config, experts: str, moe: str):
+def moe_layer(m, moe_params: dict, i: int, cfg: K3Config, experts: str, moe: str, one_layer: bool = False):
     """MoE layer i (params["moe"], stacked), m [B, d] bf16 -> (z [B, d] bf16, ids [B, k]), the
-    reference's rounding points."""
+    reference's rounding points. one_layer: see `routed_ragged`."""
     w = {k: v[i] for k, v in moe_params.items() if k not in ("w1", "w3", "w2")}
     ids, weights = route(m, w["router"], w["router_bias"], cfg.top_k)
     latent = bf(dot(m, w["latent_down"]))
-    routed = routed_loop if moe == "loop" else routed_ragged
+    routed = routed_loop if moe == "loop" else functools.partial(routed_ragged, one_layer=one_layer)
     r_sum = bf(routed(latent, ids, weights, moe_params, i, cfg, experts))
     z_routed = dot(rms(r_sum, w["latent_norm"], cfg.eps), w["latent_up"])
     h = situ(bf(dot(m, w["shared_gate"])), bf(dot(m, w["shared_up"])), cfg.situ_beta, cfg.situ_linear_beta)
