@@ -4,6 +4,9 @@
 #   make check-sharded - the sharded kernel vs the sharded reference, 8 steps: every batch in both DMA modes on 8
 #                        devices, MXFP4 experts on both MXU paths, 4 and 2 devices (~20 min)
 #   make lab   - open the notebooks interactively in JupyterLab (LAB_ARGS="--no-browser --ip=0.0.0.0" on a VM)
+#   make tpu-wheels - wheels for a TPU VM without network (JAX preinstalled there) -> .whl-tpu/ and .whl-tpu/env.sh
+#   make peer  - install the peer for `mk bench --impl peer` (tpu-inference 0.26.0, the release for jax 0.10.2)
+#                without its dependencies; make peer-wheels downloads its wheel into .whl-tpu/ instead
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -11,7 +14,7 @@ STAMP  := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: run test venv demo clean browser lab check-sharded
+.PHONY: run test venv demo clean browser lab check-sharded tpu-wheels peer peer-wheels
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,7 +46,7 @@ demo: $(STAMP)
 	$(PY) -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  $(PY) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
 	fi
@@ -55,6 +58,43 @@ check-sharded: $(STAMP)
 	  echo "== mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8 --exact"; \
 	  $(PY) -m mk check --config mini-tp8 --mesh $$1 --batch $$2 --dma-mode $$3 --mxfp4-matmul $$4 --steps 8 --exact || exit 1; \
 	done
+
+# A TPU VM with JAX, libtpu, numpy and ml_dtypes preinstalled but no network: download here (x86-64,
+# CPython 3.11) the wheels of what mk imports beyond JAX, carry .whl-tpu/ there, and start each command
+# with `source .whl-tpu/env.sh && python3 -m mk ...` from the repository root (mk itself is not
+# installed: env.sh puts the root on PYTHONPATH). Wheels are fetched without their dependencies, so
+# every extra one is named: TPU_WHEELS_EXTRA="pkg==v ..." and/or a requirements file, e.g. the
+# notebooks' closure:   make tpu-wheels TPU_WHEELS_REQS=docs/tpu-v5e/notebook-wheels.txt
+TPU_WHEELS_DIR   := .whl-tpu
+TPU_WHEELS_BASE  ?= tiktoken regex safetensors tqdm requests urllib3 idna certifi charset_normalizer
+TPU_WHEELS_EXTRA ?=
+TPU_WHEELS_REQS  ?=
+TPU_WHEELS_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any
+PIP_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+tpu-wheels:   # starts from an empty .whl-tpu/: two versions of one package would not install side by side
+	@rm -rf $(TPU_WHEELS_DIR) && mkdir -p $(TPU_WHEELS_DIR)
+	$(PIP_PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+	  $(addprefix --platform ,$(TPU_WHEELS_PLATFORMS)) -d $(TPU_WHEELS_DIR) \
+	  $(TPU_WHEELS_BASE) $(strip $(TPU_WHEELS_EXTRA)) $(if $(TPU_WHEELS_REQS),-r $(TPU_WHEELS_REQS))
+	@printf '%s\n' \
+	  '# Source from the repository root on the TPU VM: installs the wheels beside them (no network, no' \
+	  '# dependency resolution), then puts them after the VM'"'"'s own JAX on PYTHONPATH, and the repository root.' \
+	  'PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated --quiet --no-index --no-deps --no-compile \' \
+	  '  --no-cache-dir --upgrade --target "$$PWD/$(TPU_WHEELS_DIR)/site" "$$PWD"/$(TPU_WHEELS_DIR)/*.whl || return 3' \
+	  'export PYTHONPATH="$${PYTHONPATH:+$$PYTHONPATH:}$$PWD/$(TPU_WHEELS_DIR)/site:$$PWD" PYTHONUNBUFFERED=1' \
+	  > $(TPU_WHEELS_DIR)/env.sh
+	@echo "$(TPU_WHEELS_DIR)/: $$(ls $(TPU_WHEELS_DIR)/*.whl | wc -l) wheels, $$(du -sh $(TPU_WHEELS_DIR) | cut -f1);" \
+	  "carry it to the TPU VM and run 'source $(TPU_WHEELS_DIR)/env.sh && python3 -m mk ...' from the repository root"
+# vLLM TPU's fused MoE kernel, alone: --no-deps leaves out vLLM's serving stack and the wheel's own pins
+# (libtpu 0.0.43, torchvision, fastapi, ...); mk loads the kernel's module without importing vLLM.
+PEER_WHEEL ?= tpu-inference==0.26.0
+PEER_WHEELS ?= .whl-tpu
+peer: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(PEER_WHEEL)
+
+peer-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d $(PEER_WHEELS) $(PEER_WHEEL)
+	@echo "$(PEER_WHEELS)/: carry it; install there with pip install --no-index --no-deps $(PEER_WHEELS)/tpu_inference-*.whl"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

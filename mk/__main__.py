@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "mk.cli.microbench",   # microbench
     "mk.cli.notebooks",    # notebooks
     "mk.cli.bench",        # bench
+    "mk.cli.results",      # results
 ]
 
 

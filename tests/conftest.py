@@ -9,3 +9,18 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with the most `slow` or `aot` tests first, the others after them in file order.
+
+    `make test` hands whole files to two workers in this order (`--dist loadfile
+    --no-loadscope-reorder`): the long files start first and the short ones fill in at the end.
+    (xdist's default order, most tests first, left the long files of few tests for last, one worker
+    running them while the other idled.) A sort by module keeps each module's own order."""
+    heavy: dict[str, int] = {}
+    for item in items:
+        n = any(item.get_closest_marker(m) for m in ("slow", "aot"))
+        heavy[item.nodeid.split("::")[0]] = heavy.get(item.nodeid.split("::")[0], 0) + n
+    first = {m: i for i, m in enumerate(dict.fromkeys(i.nodeid.split("::")[0] for i in items))}
+    items.sort(key=lambda i: (-heavy[i.nodeid.split("::")[0]], first[i.nodeid.split("::")[0]]))

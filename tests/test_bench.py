@@ -134,3 +134,43 @@ def test_measure_pipeline_on_mini(monkeypatch):
         assert r["distinct_source"].startswith("routed") and len(r["distinct_experts"]) == MINI.n_moe
         assert MINI.top_k <= min(r["distinct_experts"]) <= max(r["distinct_experts"]) <= r["batch"] * MINI.top_k
         assert r["hbm_bytes"] > 0 and r["tok_s"] == pytest.approx(r["batch"] / r["median_ms"] * 1e3)
+
+
+def test_record_summary_names_the_best_other_step():
+    """A bench record's summary: the kernel's device ms per batch, its fraction of stream, and its
+    speedup over the fastest of the other steps at each batch (the oracle is no competitor)."""
+    from mk.perf.bench import summary
+    rows = [{"impl": "kernel", "batch": 1, "device_median_ms": 5.0, "device_frac_stream": 0.9},
+            {"impl": "kernel", "batch": 8, "device_median_ms": 6.0, "device_frac_stream": 0.85},
+            {"impl": "xla", "batch": 1, "device_median_ms": 10.0}, {"impl": "xla", "batch": 8, "device_median_ms": 6.6},
+            {"impl": "peer", "batch": 1, "device_median_ms": 7.5}, {"impl": "peer", "batch": 8, "device_median_ms": 9.0},
+            {"impl": "reference", "batch": 1, "device_median_ms": 1.0}, {"impl": "reference", "batch": 8, "device_median_ms": 1.0}]
+    assert summary(rows) == ("kernel device 5.00 / 6.00 ms at B = 1 / 8; 0.90 / 0.85 of stream; "
+                             "1.50 / 1.10x faster than the best other step (peer/xla)")
+    assert summary([{"impl": "kernel", "batch": 1, "error": "OOM"}]) == "kernel not run: OOM"
+
+
+def test_generate_mode_refuses_on_cpu_in_one_line():
+    p = subprocess.run([sys.executable, "-m", "mk", "bench", "--mode", "generate", "--json"], capture_output=True,
+                       text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 2 and p.stdout == ""
+    lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "TPU" in lines[0], p.stderr
+    with pytest.raises(bench.BenchError, match="TPU"):
+        bench.measure_generate(MINI, batches=(1,))
+
+
+@pytest.mark.slow
+def test_measure_generate_pipeline(monkeypatch):
+    """The device loop of the kernel (interpret mode) and the XLA step at two batches, the TPU check
+    bypassed: every row complete (CPU timings: plumbing only, no claim)."""
+    from tests.test_loop import TINY
+    monkeypatch.setattr(bench, "require_tpu", lambda backend=None: None)
+    rows = bench.measure_generate(TINY, batches=(1, 2), steps=3, chunk=2, device_steps=1, host_steps=1)
+    assert [(r["impl"], r["batch"]) for r in rows] == [(i, b) for b in (1, 2) for i in ("kernel", "xla")]
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["decode_steps"] == 3 and r["chunk"] == 2
+        assert r["loop_tok_s"] == pytest.approx(r["batch"] * 3 / r["decode_s"])
+        assert r["host_step_ms"] > 0 and r["loop_speedup"] > 0
+        assert r["device_step_ms"] is None and r["frac_of_device"] is None     # no device plane on CPU

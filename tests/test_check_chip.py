@@ -1,6 +1,8 @@
 """`mk.kernel.check.check_on_chip`, the policy `mk check` applies on a TPU, exercised on CPU: the kernel
 (interpret mode) and XLA both against the oracle, resynchronised every step. Here all three are
 bit-exact, so a correct kernel passes with factor 0 and a planted bug fails."""
+import pytest
+
 from mk.kernel import check as mc
 from mk.model import params as params_mod
 from mk.model.config import get_config
@@ -19,6 +21,7 @@ def _run(fault: bool):
     return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, 3)
 
 
+@pytest.mark.slow
 def test_chip_policy_passes_a_correct_kernel_and_fails_a_planted_bug():
     good = _run(False)
     assert good["verdict"] == "pass", good["reasons"]

@@ -53,14 +53,24 @@ def paths(tmp_path_factory, ckpt):
     from mk.model import drafter
     drafter.write(drafter.config_for(get_config("mini")), d / "draft_vocab")          # vocab 2048 != 512
     drafter.write(drafter.config_for(TINY.replace(layers=8)), d / "draft_aux")       # aux layers 2, 4, 6
+    bad_configs = {"CFG_LIST": [TINY.to_hf()],                                       # top level not an object
+                   "CFG_LIN": TINY.to_hf(), "CFG_NOKEY": TINY.to_hf()}
+    bad_configs["CFG_LIN"]["text_config"]["linear_attn_config"] = [128, 4]
+    del bad_configs["CFG_NOKEY"]["text_config"]["hidden_size"]
+    for name, doc in bad_configs.items():
+        (d / name.lower()).mkdir()
+        (d / name.lower() / "config.json").write_text(json.dumps(doc))
     return {"CKPT": ckpt, "FILE": str(afile), "EMPTY": str(no_config), "OUT": str(d / "out"),
             "DRAFT_VOCAB": str(d / "draft_vocab"), "DRAFT_AUX": str(d / "draft_aux"),
-            "MISSING": str(d / "missing"), "NOPARENT": str(d / "missing" / "deeper" / "x.npy")}
+            "MISSING": str(d / "missing"), "NOPARENT": str(d / "missing" / "deeper" / "x.npy"),
+            **{name: str(d / name.lower()) for name in bad_configs}}
 
 
 # (argv, text the one-line message must contain). Placeholders: CKPT (a tiny checkpoint), FILE (a
 # regular file), EMPTY (a directory without config.json), MISSING (a path that does not exist),
-# NOPARENT (a file in a directory that does not exist), OUT (a fresh path).
+# NOPARENT (a file in a directory that does not exist), OUT (a fresh path), CFG_LIST / CFG_LIN /
+# CFG_NOKEY (checkpoint directories whose config.json is a list / has a list for linear_attn_config /
+# lacks hidden_size).
 CASES = [
     # top level (argparse)
     ([], "required: command"),
@@ -69,6 +79,11 @@ CASES = [
     (["generate", "--config", "nope", "--prompt-tokens", "1"], "unknown config 'nope'"),
     (["generate", "--config", "EMPTY", "--prompt-tokens", "1"], "EMPTY"),
     (["generate", "--checkpoint", "MISSING", "--prompt-tokens", "1"], "MISSING"),
+    (["generate", "--config", "CFG_LIST", "--prompt-tokens", "1"],
+     "error: CFG_LIST/config.json: the top level must be a JSON object, found list"),
+    (["generate", "--config", "CFG_LIN", "--prompt-tokens", "1"],
+     "error: CFG_LIN/config.json: 'linear_attn_config' must be an object, found list"),
+    (["load", "CFG_NOKEY"], "error: CFG_NOKEY/config.json: missing key 'hidden_size'"),   # the path once
     (["generate", "--prompt-tokens", "-1,5"], "--prompt-tokens: token id -1 outside the vocabulary"),
     (["generate", "--prompt-tokens=-1,5"], "--prompt-tokens: token id -1 outside the vocabulary"),
     (["generate", "--prompt-tokens", "1,x"], "--prompt-tokens: expected comma-separated integer token ids"),
@@ -149,10 +164,16 @@ CASES = [
     (["simulate", "--batch", "0"], "--batch: batch sizes must be in 1..8"),
     (["simulate", "--config", "nope"], "unknown config 'nope'"),
     (["simulate", "--context", "-3"], "argument --context: must be at least 1"),
+    (["simulate", "--trace", "NOPARENT"], "--trace: directory"),            # before any step is modelled
+    # microbench: --write is checked before the TPU is looked for (and before minutes of timing)
+    (["microbench", "--write", "NOPARENT"], "--write: directory"),
+    (["microbench", "--write", "EMPTY"], "--write: 'EMPTY' is a directory"),
     # notebooks (mk/cli/notebooks.py: tested here, owned elsewhere)
     (["notebooks"], "required: --out"),
     (["notebooks", "--out", "FILE/sub"], "FILE/sub"),
     (["notebooks", "--out", "OUT", "-p", "batch"], "argument -p/--parameter: expected 2 arguments"),
+    (["notebooks", "--out", "OUT", "--only", "01", "--only", "99"], "--only '99' matches no notebook"),
+    (["notebooks", "--out", "FILE", "--only", "01"], "--out: 'FILE' exists and is not a directory"),
 ]
 
 
@@ -191,6 +212,19 @@ def test_logits_checks_ids_before_loading_weights(paths, monkeypatch, capsys):
     assert main(["logits", "--checkpoint", paths["CKPT"], "--tokens", "1,99999", "--out", out]) == 2
     assert "token id 99999 outside the vocabulary" in capsys.readouterr().err
     assert not os.path.exists(out)
+
+
+def test_simulate_checks_trace_path_before_modelling(paths, monkeypatch, capsys):
+    """An unwritable --trace is reported before a single step is modelled."""
+    import mk.perf.sim
+    from mk.__main__ import main
+
+    def no_predict(*a, **kw):
+        raise AssertionError("a step was modelled before --trace was checked")
+
+    monkeypatch.setattr(mk.perf.sim, "predict", no_predict)
+    assert main(["simulate", "--trace", paths["NOPARENT"]]) == 2
+    assert "--trace: directory" in capsys.readouterr().err
 
 
 # ---- libtpu stays quiet on CPU --------------------------------------------------------------------

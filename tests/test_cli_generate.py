@@ -124,6 +124,10 @@ def test_speculative_json(capsys, tiny_dir, tmp_path):
     (["--prompt-tokens", "1", "--ctx", "128", "--max-new-tokens", "128"], "exceed --ctx 128"),
     ([], "give exactly one of --prompt-tokens IDS or --prompt TEXT"),
     (["--prompt", "hi"], "--prompt needs --checkpoint DIR"),
+    (["--prompt-tokens", "1", "--chunk", "0"], "--chunk must be at least 1 step, found 0"),
+    (["--prompt-tokens", "1", "--prefill", "parallel", "--loop", "host"], "--prefill parallel needs the device loop"),
+    (["--prompt-tokens", "1", "--speculative", "2", "--loop", "device"], "--speculative runs on the host loop"),
+    (["--prompt-tokens", ",".join(["1"] * 130), "--ctx", "128"], "exceed --ctx 128"),
     (["--prompt-tokens", "1", "--checkpoint", "/nonexistent"], "give --config or --checkpoint, not both"),
 ])
 def test_user_errors(capsys, tiny_dir, argv, message):
@@ -198,6 +202,9 @@ def test_checkpoint_prompt_text(capsys, tiny_checkpoint):
     assert 1 <= len(res["tokens"][0]) <= 4                   # may stop early at an end token
     code, out, err = cli(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "hello world", "--max-new-tokens", "4",
                          "--ctx", "128")
+    assert code == 0 and out.splitlines() == [res["text"][0]]           # one row: the text, streamed
+    code, out, err = cli(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "hello world", "--max-new-tokens", "4",
+                         "--ctx", "128", "--loop", "host")
     assert code == 0 and out.splitlines() == [" ".join(map(str, res["tokens"][0])), res["text"][0]]
 
 

@@ -205,6 +205,28 @@ def test_from_hf_missing_keys():
         K3Config.from_hf(hf)
 
 
+def test_from_hf_wrong_types(tmp_path):
+    """Wrong JSON types are ConfigErrors naming the file once and the key, not AttributeErrors."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps([K3.to_hf()]))
+    with pytest.raises(ConfigError, match="the top level must be a JSON object, found list"):
+        K3Config.from_hf(tmp_path)
+    hf = K3.to_hf()
+    hf["text_config"]["linear_attn_config"] = "128"
+    with pytest.raises(ConfigError, match="'linear_attn_config' must be an object, found str"):
+        K3Config.from_hf(hf)
+    hf = K3.to_hf()
+    hf["text_config"]["rms_norm_eps"] = "small"
+    with pytest.raises(ConfigError, match="'rms_norm_eps' must be a number, found 'small'"):
+        K3Config.from_hf(hf)
+    hf = K3.to_hf()
+    del hf["text_config"]["vocab_size"]
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ConfigError) as e:
+        K3Config.from_hf(tmp_path)
+    assert str(e.value) == f"{path}: missing key 'vocab_size'"
+
+
 def test_from_hf_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config.json not found"):
         K3Config.from_hf(tmp_path)

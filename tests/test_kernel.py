@@ -11,15 +11,16 @@ from mk.kernel.check import LOGIT_SCALE, check
 from mk.model.config import get_config
 from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH
 
-# Every batch size, every prefetch depth (0 = no overlap, 1, the default), 5 decode steps each
+# Batch sizes 1, 2 and 8, every prefetch depth (0 = no overlap, 1, the default), 5 decode steps each
 # (3 prompt tokens, then greedy: the ring wraps many times per step at every depth). Routed experts
 # in both formats: "mxfp4" (packed in HBM; the reference runs on their dequantization) at B = 1
 # (dequantized to bf16 tiles in VMEM) and 8 (the fp8 MXU path: e4m3 codes, block-diagonal LHS, group
 # partials; the reference sums the expert matmuls by 32-row group), bf16 tiles elsewhere.
 # MXFP4 codes are unpacked two bf16 patterns per integer lane at B = 1 (v5e / v6e's path) and by the
-# fp4 bitcast at B = 8 (TPU v7's; `Plan.mxfp4_unpack`).
+# fp4 bitcast at B = 8 (TPU v7's; `Plan.mxfp4_unpack`). B = 4 at the default depth with bf16 experts
+# runs bit-exact in tests/test_kernel_paths.py (`mixed_run`: four rows at different positions).
 CASES = [(1, 0, "bf16", "bf16", "auto"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "bf16", "pairs"),
-         (2, 1, "bf16", "bf16", "auto"), (4, DEFAULT_PREFETCH_DEPTH, "bf16", "bf16", "auto"),
+         (2, 1, "bf16", "bf16", "auto"),
          (8, 0, "bf16", "bf16", "auto"), (8, DEFAULT_PREFETCH_DEPTH, "mxfp4", "fp8", "bitcast")]
 
 

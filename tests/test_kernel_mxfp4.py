@@ -116,7 +116,7 @@ def every_code_every_scale_tile(tk=512, tn=256, seed=0):
     return codes, scales, want
 
 
-@pytest.mark.parametrize("unpack", ["pairs", "shift", "bitcast"])
+@pytest.mark.parametrize("unpack", ["pairs", "pairs_mul", "shift", "bitcast"])
 def test_in_kernel_dequant_bit_exact_against_ml_dtypes(unpack):
     """One expert tile holding every E2M1 code under every allowed E8M0 byte (2..252), unpacked by
     the kernel (integer shifts, every TPU; the fp4 bitcast, TPU v7), equals ml_dtypes'
@@ -124,7 +124,8 @@ def test_in_kernel_dequant_bit_exact_against_ml_dtypes(unpack):
     and as the kernel multiplies it (`mxfp4_tile_product`). In interpret mode on CPU; compiled on a TPU backend (`JAX_PLATFORMS=tpu,cpu pytest ...` on the chip)."""
     from mk.kernel.step import attached_chip
     from mk.kernel.decode import on_tpu
-    if on_tpu() and unpack != make_plan(get_config("mini"), 1, chip=attached_chip(), experts="mxfp4").mxfp4_unpack:
+    if (on_tpu() and unpack == "bitcast"
+            and make_plan(get_config("mini"), 1, chip=attached_chip(), experts="mxfp4").mxfp4_unpack != "bitcast"):
         pytest.skip(f"{unpack} unpack does not lower on {attached_chip()} (test_aot: fp4 bitcast is TPU v7's)")
     tk, tn = 512, 256
     m = plan_mod.Matrix("expert.down", tk, tn, (), tk, tn, "mxfp4")
@@ -132,7 +133,7 @@ def test_in_kernel_dequant_bit_exact_against_ml_dtypes(unpack):
     c, s = packing.pack_mxfp4_tiles(codes, scales, tk, tn, unpack)
     got = _run_dequant(c, s, m, unpack)[0]
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
-    for other in set(packing.UNPACKS) - {unpack}:                     # each layout is its own
+    for other in set(packing.LAYOUTS) - {packing.UNPACK_LAYOUT[unpack]}:   # each layout is its own
         c2, s2 = packing.pack_mxfp4_tiles(codes, scales, tk, tn, other)
         assert not np.array_equal(_run_dequant(c2, s2, m, unpack)[0].view(np.uint16), want.view(np.uint16))
     # the kernel's own path: unpacked 128 columns at a time into the MXU; an identity LHS reads the tile
@@ -279,12 +280,18 @@ def _run_fp8_tile(x, codes, scales, m, unpack="bitcast"):
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("unpack", ["pairs", "shift", "bitcast"])
+@pytest.mark.parametrize("unpack", ["pairs", "pairs_mul", "shift", "bitcast"])
 def test_fp8_path_sums_group_partials_in_order(unpack):
     """One MXFP4 tile on the fp8 MXU path (`fp8_tile_product`: e4m3 codes, block-diagonal LHS, group
     partials scaled by 2^(s - 127)) equals, bit for bit, the fp32 sum over the 32-row groups in order of
-    x_g @ dequantized w_g (what the references compute with `mm(..., k_chunk=MX_GROUP)`). (Whether one
-    dot over the whole tile sums differently depends on XLA:CPU's dot: run alone it matched here.)"""
+    x_g @ dequantized w_g (what the references compute with `mm(..., k_chunk=MX_GROUP)`).
+
+    The control: on these inputs the order shows in the bits, so the comparison can fail. One dot
+    over the whole tile rounded once, and the same group partials summed last group first, each
+    differ from the in-order sum in about half the outputs (numpy in float64, rounded to float32:
+    platform-independent). Not XLA's own whole-tile dot: XLA:CPU's dot (jax 0.10.2) rounds as 32-deep
+    blocks summed in order (`mm(x, w)` over these 512 rows equals `mm(x, w, k_chunk=32)` bit for bit,
+    and differs from k_chunk 16 and 64, on 9 input draws), so it could not tell the orders apart."""
     import jax.numpy as jnp
     from mk.model.layers.common import mm
     tk, tn, R = 512, 256, 8
@@ -299,3 +306,11 @@ def test_fp8_path_sums_group_partials_in_order(unpack):
          * np.repeat(scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), 32, axis=0)).astype(ml_dtypes.bfloat16)
     grouped = np.asarray(mm(jnp.asarray(x), jnp.asarray(w), k_chunk=plan_mod.MX_GROUP))
     np.testing.assert_array_equal(got.view(np.uint32), grouped.view(np.uint32))
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    whole = (x64 @ w64).astype(np.float32)                            # one dot over the tile, one rounding
+    G = plan_mod.MX_GROUP
+    backwards = np.zeros_like(grouped)
+    for g in reversed(range(tk // G)):                                # the group partials, last group first
+        backwards += (x64[:, g * G:(g + 1) * G] @ w64[g * G:(g + 1) * G]).astype(np.float32)
+    for other in (whole, backwards):
+        assert np.count_nonzero(other != grouped) > grouped.size // 4

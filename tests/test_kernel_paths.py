@@ -110,44 +110,35 @@ def mini():
 
 @pytest.fixture(scope="module")
 def mini_b1(mini):
-    """The B = 1 kernel on mini (one compile shared by the tests below)."""
+    """The B = 1 kernel on mini."""
     cfg, params = mini
     return make_step_fn(params, cfg, 1, ctx=CTX, interpret=interpret_params(detect_races=True))
 
 
-# ---- 1. MLA past the first cache block -----------------------------------------------------------
+# ---- 1. MLA past the first cache block, 8 heads per loop step ---------------------------------------
 @pytest.mark.slow
-def test_mla_crosses_cache_block(mini, mini_b1):
-    """Prefill 127 positions with the reference, then kernel and reference side by side at
-    positions 127..129: the last slot of block 0, then block 1 (two-block online softmax, the
-    new key/value merged into and written back to the second block)."""
-    cfg, params = mini
+def test_mla_crosses_cache_block():
+    """mini with 8 heads: prefill 127 positions with the reference, then kernel and reference side by
+    side at positions 127..129: the last slot of block 0, then block 1 (two-block online softmax,
+    the new key/value merged into and written back to the second block), the kernel attending 8
+    heads per loop step (`attention_heads`' default) where the reference attends one head at a time.
+    (mini itself runs 2 heads per step, from empty caches in test_kernel.py; test_layers.py holds
+    `attend_block` per head for any grouping.)"""
+    cfg = get_config("mini").replace(heads=8)
+    params = params_mod.init(cfg, 0)
     rng = np.random.default_rng(1)
     cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, 127)])
     assert int(cache["pos"][0]) == 127
+    step_fn = make_step_fn(params, cfg, 1, ctx=CTX, interpret=interpret_params(detect_races=True))
+    assert step_fn.plan.attention_heads == 8
     tokens = rng.integers(0, cfg.vocab, (3, 1), dtype=np.int32)
-    k_cache, r_cache = side_by_side(mini_b1, params, cfg, cache, tokens, "positions 127..129")
+    k_cache, r_cache = side_by_side(step_fn, params, cfg, cache, tokens, "positions 127..129, 8 heads per step")
     assert int(k_cache["pos"][0]) == 130
     # the second block really holds the new keys/values (nonzero, as the reference wrote them)
     k_blk = np.asarray(k_cache["mla_k"][0, :, :, 128:130], np.float32)
     assert np.abs(k_blk).max() > 0
     np.testing.assert_allclose(k_blk, np.asarray(r_cache["mla_k"][0, :, :, 128:130], np.float32), atol=CACHE_TOL)
     assert not np.asarray(k_cache["mla_k"][0, :, :, 130:], np.float32).any()   # nothing past pos
-
-
-@pytest.mark.slow
-def test_mla_head_grouping_is_exact():
-    """mini with 8 heads: the kernel attends 8 heads per loop step (`attention_heads`' default),
-    bit-exact with the reference, which attends one head at a time; one row at positions 127 and
-    128 (the last slot of block 0, then block 1). mini itself runs 2 heads per step, and
-    test_layers.py holds `attend_block` per head for any grouping."""
-    cfg = get_config("mini").replace(heads=8)
-    params = params_mod.init(cfg, 0)
-    rng = np.random.default_rng(3)
-    cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, 127)])
-    step_fn = make_step_fn(params, cfg, 1, ctx=CTX, interpret=interpret_params(detect_races=True))
-    assert step_fn.plan.attention_heads == 8
-    side_by_side(step_fn, params, cfg, cache, rng.integers(0, cfg.vocab, (2, 1), dtype=np.int32), "8 heads per step")
 
 
 # ---- 2 + 5. rows at different positions; DMA order observed at runtime ---------------------------

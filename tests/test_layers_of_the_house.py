@@ -1,5 +1,5 @@
 """mk is a house in layers: a package imports only from the packages below it, and no two modules
-import each other, directly or around a circle (issue #25).
+import each other, directly or around a circle.
 
 Every module under mk/ is parsed with `ast`: its imports at the top and inside functions, and the
 modules it names to `importlib.import_module`, all count. Bottom to top:

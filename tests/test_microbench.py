@@ -27,6 +27,7 @@ def test_expected_values_catch_a_wrong_kernel():
     assert not np.allclose(want, 3 * x[:x.shape[0] // 2] @ w, rtol=1e-3)   # the LHS halves alternate
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("topology", ["tpu7x:2x2x1", "v5e:2x2"])
 def test_kernels_compile_at_their_timed_sizes(topology):
     rows = mb.compile_all(topology)
@@ -106,11 +107,9 @@ def test_device_kinds_map_to_chips_of_the_hardware_table():
 
 def test_the_seeded_v5e_rows_are_what_the_write_path_writes(tmp_path):
     """data/microbench.csv's measured tpu-v5e rows are what `write_microbench_csv` writes for those
-    values and sources (tpu-notes.md's 2026-12-04 run for the DMA rows; the second 2026-12-05 run,
-    docs/tpu-v5e/2026-12-05/microbench-pairs.json, for the MXU and vector rows, its DMA rows refused;
-    the dequant family of 2026-12-06, docs/tpu-v5e/2026-12-06d/dequant-rate-4096.jsonl, the median of
-    three runs, for the fused MXFP4 tile product): the format a re-run produces, every other chip's
-    rows untouched."""
+    values and sources (three runs: the DMA rows, the MXU and vector rows, the dequant row): the
+    format a re-run produces, every other chip's rows untouched. (The values themselves are checked
+    against their runs by test_the_measured_v5e_rows_come_from_their_runs.)"""
     import json
     table = hw.load_microbench()
     rows = [m for (chip, _), m in table.rows.items() if chip == "tpu-v5e" and m.source.startswith("measured")]
@@ -131,13 +130,35 @@ def test_the_seeded_v5e_rows_are_what_the_write_path_writes(tmp_path):
     cut = lambda r: tuple(next(csv.reader([r]))[i] for i in (0, 1, 2, 3, 6))   # a replaced row keeps its range and says so
     assert sorted(map(cut, _data_rows(out))) == sorted(map(cut, base))
     assert [r for r in _data_rows(out) if not r.startswith("tpu-v5e,")] == [r for r in base if not r.startswith("tpu-v5e,")]
-    run = json.loads((hw.DATA_DIR.parent / "docs/tpu-v5e/2026-12-05/microbench-pairs.json").read_text())
-    assert table.get("tpu-v5e", "mxu_push_rows") == pytest.approx(run["constants"]["mxu_push_rows"], rel=1e-5)
-    runs = (hw.DATA_DIR.parent / "docs/tpu-v5e/2026-12-06d/dequant-rate-4096.jsonl").read_text().splitlines()
-    pairs = sorted(json.loads(r)["pairs"]["weights_per_s"] for r in runs)
+
+
+def test_the_measured_v5e_rows_come_from_their_runs():
+    """Each measured tpu-v5e value of data/microbench.csv against its run, not against the CSV: the
+    MXU and vector rows re-derived from the raw timings of docs/tpu-v5e/2026-12-05/microbench-pairs.json
+    (by `measure`'s formulas at the module's sizes), the dequant row from the three runs of
+    docs/tpu-v5e/2026-12-06d/dequant-rate-4096.jsonl, and the DMA rows pinned to what the 2026-12-04
+    run printed (`mk microbench` on TPU v5 lite at 855d326: 795 GB/s streaming, 4 MiB copies 4 in
+    flight; a 1.16 us descriptor latency; that run's JSON was not kept)."""
     from mk.kernel.schedule import dequant_ops
-    assert len(pairs) == 3 and table.get("tpu-v5e", "dequant_op_rate") == pytest.approx(
-        pairs[1] * dequant_ops("bf16", "pairs"), rel=1e-5)
+    table = hw.load_microbench()
+    v5e = lambda q: table.get("tpu-v5e", q)
+    run = json.loads((hw.DATA_DIR.parent / "docs/tpu-v5e/2026-12-05/microbench-pairs.json").read_text())
+    peak = hw.load_chips()["tpu-v5e"].per_core("bf16_flops")
+    assert run["device_kind"] == "TPU v5 lite" and run["peak_bf16_flops"] == peak
+    t_bf16 = run["mxu"][str(mb.MXU_ROWS[0])]["s"]
+    assert v5e("mxu_push_rows") == pytest.approx(mb.push_rows(t_bf16, mb.MXU_K, mb.MXU_N, peak), rel=1e-5)
+    assert v5e("vector_flops") == pytest.approx(2 * mb.FMAS * mb.VEC_ROWS * mb.VEC_COLS / run["vector"]["s_per_fma_pass"],
+                                                rel=1e-5)
+    assert v5e("vector_bw") == pytest.approx(2 * mb.BW_ROWS * mb.VEC_COLS * 4 / run["vector"]["s_per_vmem_pass"], rel=1e-5)
+    assert v5e("mxu_bf16xfp8_vs_bf16") == pytest.approx(
+        run["mxu_dtypes"]["bf16xfp8"]["s"] / run["mxu"][str(mb.DTYPE_ROWS)]["s"], rel=1e-5)
+    assert v5e("dma_stream_bw") == 795e9 and v5e("dma_descriptor_latency") == 1.16e-6
+    for q in ("dma_stream_bw", "dma_descriptor_latency"):          # not the 2026-12-05 run's refused values
+        assert v5e(q) != pytest.approx(run["constants"][q], rel=0.1), q
+    runs = (hw.DATA_DIR.parent / "docs/tpu-v5e/2026-12-06d/dequant-rate-4096.jsonl").read_text().splitlines()
+    rates = sorted(json.loads(r)["pairs"]["weights_per_s"] * dequant_ops("bf16", "pairs") for r in runs)
+    m = table.measurement("tpu-v5e", "dequant_op_rate")
+    assert len(rates) == 3 and (m.low, m.value, m.high) == pytest.approx(tuple(rates), rel=1e-5)
 
 
 def test_timing_off_a_tpu_is_refused(capsys):
@@ -204,7 +225,13 @@ def test_implausible_timings_are_not_written():
     res["dma"] = {n: {"s_one_at_a_time": 1e-6 + n / 7e11, "s_4_inflight": n / 7.9e11, "stream_bw": 7.9e11} for n in res["dma"]}
     res["constants"] = dict(res["constants"], dma_stream_bw=7.9e11)
     res["latency_intercept"] = 1e-6
+    assert mb.implausible(res) == ["no stream sweep (a run from before STREAM_POINTS: its stream was the 4 MiB "
+                                   "copies' best)"]
+    res["stream"] = {"4MiBx4": {"chunk_bytes": 4 << 20, "inflight": 4, "s_per_copy": (4 << 20) / 7.9e11,
+                                "stream_bw": 7.9e11}}
     assert mb.implausible(res) == []
+    res["stream"]["1MiBx4"] = {"chunk_bytes": 1 << 20, "inflight": 4, "s_per_copy": -1e-7, "stream_bw": None}
+    assert mb.implausible_by_constant(res) == {"dma_stream_bw": ["stream 1MiBx4: -1e-07 s per copy <= 0"]}
 
 
 def test_only_the_plausible_constants_are_written(tmp_path):
@@ -218,5 +245,6 @@ def test_only_the_plausible_constants_are_written(tmp_path):
     res["mxu"] = {int(k): v for k, v in res["mxu"].items()}
     why = mb.implausible_by_constant(res)
     assert set(why) == {"dma_stream_bw", "dma_descriptor_latency"}
-    assert any("4096 KiB: 4 copies in flight take" in w for w in why["dma_stream_bw"])
+    assert any("4096 KiB: 4 copies in flight take" in w for w in why["dma_descriptor_latency"])
+    assert any("no stream sweep" in w for w in why["dma_stream_bw"])
     assert res["dequant"]["pairs"]["weights_per_s"] > res["dequant"]["shift"]["weights_per_s"] > 0

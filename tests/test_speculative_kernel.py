@@ -89,6 +89,7 @@ def assert_block_close(k_logits, k_block, r_logits, r_block, what):
         assert c_err <= CACHE_TOL, f"{what}: {n} max abs err {c_err}"
 
 
+@pytest.mark.slow
 def test_verify_step_matches_reference_and_rolls_back(params, verifier):
     """Two sequences, two verify steps. Step 1 at positions 126..129 (across the 127 | 128 MLA
     block boundary) and 120..123; then sequence 0 accepts one draft (state_row = 1: the KDA and
@@ -116,6 +117,7 @@ def test_verify_step_matches_reference_and_rolls_back(params, verifier):
     assert_block_close(k_logits, k_block, r_logits, r_block, "step 2 (from state_rows 1 and 3)")
 
 
+@pytest.mark.slow
 def test_greedy_speculative_through_kernel_equals_plain_greedy(params, verifier):
     """Two 124-token prompts (prefilled by the reference), then 8 tokens each: three kernel verify
     steps with k = 3 at positions 124..132 (across the 128-slot MLA block), the drafter's agreement

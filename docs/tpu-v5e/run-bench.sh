@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's first bench run on the lent TPU v5e (2026-12-05): a bare TPU process's host RSS, the DMA
+# The first bench run on the lent TPU v5e (2026-12-05): a bare TPU process's host RSS, the DMA
 # microbench, then `mk bench` with bf16 and with MXFP4 experts (both cases timed out here; the
 # figures come from run-bench2.sh).   OUT=DIR bash docs/tpu-v5e/run-bench.sh
 # Writes DIR/NAME.out (stdout: the JSON) and DIR/NAME.log (stderr: one `bench:` line per case).

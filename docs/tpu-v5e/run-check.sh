@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 22's on-chip points, as run on the lent TPU v5e (one chip). From the repo root on the TPU VM,
-# after ../shared/tools/tpu-prep pytest==8.3.4 pluggy iniconfig packaging (wheels carried as .whl-tpu):
+# The on-chip checks, as run on the lent TPU v5e (one chip, 2026-12-05). From the repo root on the TPU VM,
+# after `make tpu-wheels TPU_WHEELS_EXTRA="pytest==8.3.4 pluggy iniconfig packaging"` here (.whl-tpu carried along):
 #   OUT=DIR bash docs/tpu-v5e/run-check.sh
 # Writes DIR/*.json and DIR/*.log; prints one line per step with its exit status.
 STEP_PAUSE=4 source docs/tpu-v5e/steps.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22's host-memory point on the lent TPU v5e, one call (227 s on 2026-12-06; the limits sum to
+# Host memory of a kernel load on the lent TPU v5e, one call (227 s on 2026-12-06; the limits sum to
 # 500 s): `mk logits --backend kernel --bench --json` (peak host RSS against the checkpoint's bytes,
 # and the chip's peak memory) on a 10.0 GB checkpoint (MXFP4 experts: the kernel's packed weights
 # 10.0 GB of the chip's 16.9), then on the 1.36 GB K3-byte-mix shapes of 2026-12-05, after a bare

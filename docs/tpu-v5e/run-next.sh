@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What is open on the lent TPU v5e (issues 22, 23), as calls of under 10 minutes each, one after
-# another (the machine stays warm 100 s between calls):
+# The lent TPU v5e's runs of 2026-12-06 and what is still open, as calls of under 10 minutes each, one
+# after another (the machine stays warm 100 s between calls). Ran: mxfp4 -> 2026-12-06b/, ring and
+# shift -> 2026-12-06c/, nonzero -> 2026-12-06d/; not yet: rest, nb03.
 #   OUT=DIR bash docs/tpu-v5e/run-next.sh nonzero the MXFP4 unpack with the nonzero bits of eight codes at once
 #                                                 (mk.kernel.ring.nonzero_bits): tile test, mk check mini, the
 #                                                 dequant family, mk bench k3-chip MXFP4 (~8 min)
@@ -16,7 +17,7 @@
 #                                                 A/B against 'pairs' (its microbenchmark ran faster; ~4 min)
 #   OUT=DIR bash docs/tpu-v5e/run-logits-rss.sh   host RSS of mk logits, its own call (~4 min)
 #   OUT=DIR bash docs/tpu-v5e/run-next.sh nb03    notebook 03 with the kernel's region trace, 2 steps (~6 min)
-# Wheels: ../shared/tools/tpu-prep $(cat docs/tpu-v5e/notebook-wheels.txt), carry .whl-tpu.
+# Wheels: make tpu-wheels TPU_WHEELS_REQS=docs/tpu-v5e/notebook-wheels.txt here, carry .whl-tpu.
 set -u
 case "${1:?which call: nonzero, ring, mxfp4, rest, shift or nb03}" in
   nonzero) STEP_PAUSE=2 source docs/tpu-v5e/steps.sh

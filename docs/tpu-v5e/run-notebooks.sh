@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The five notebooks on the lent TPU v5e, each in its own process through the runner's ipc kernel
-# (no TCP socket opens there), on the chip's default preset (k3-chip). Wheels: .whl-tpu made by
-#   ../shared/tools/tpu-prep $(cat docs/tpu-v5e/notebook-wheels.txt)
+# (no TCP socket opens there), on the chip's default preset (k3-chip). Wheels: .whl-tpu made here by
+#   make tpu-wheels TPU_WHEELS_REQS=docs/tpu-v5e/notebook-wheels.txt
 # Usage (a call holds the chip at most 10 minutes, so a few notebooks per call):
 #   OUT=DIR bash docs/tpu-v5e/run-notebooks.sh 01:240 03:300
 #   OUT=DIR TAG=r PARAMS="-p region_trace True" bash docs/tpu-v5e/run-notebooks.sh 03:300   (DIR/nb03r/)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 'pairs' MXFP4 unpack on the lent TPU v5e (2026-12-05, second session): the every-code,
+# The 'pairs' MXFP4 unpack on the lent TPU v5e (2026-12-05, its second run): the every-code,
 # every-scale tile test compiled on the chip, `mk check` with MXFP4 experts (the default, now 'pairs'),
 # and `mk microbench` (each unpack's dequantization rate beside the DMA and MXU constants).
 #   OUT=DIR bash docs/tpu-v5e/run-pairs.sh

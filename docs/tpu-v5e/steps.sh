@@ -1,5 +1,5 @@
 # Sourced by the run-*.sh scripts here, from the repo root on the TPU VM (wheels carried as .whl-tpu,
-# ../shared/tools/tpu-prep): installs the wheels, selects the chip plus JAX's CPU backend (mk check's
+# made by `make tpu-wheels`): installs the wheels, selects the chip plus JAX's CPU backend (mk check's
 # oracle), and defines `step`. Outputs go under $OUT (default tpu-out).
 set -u
 export OUT=${OUT:-tpu-out}; mkdir -p "$OUT"

@@ -1,4 +1,4 @@
-"""`python -m mk bench`: time the megakernel, the fair XLA step and the reference on this TPU.
+"""`python -m mk bench`: time the megakernel, the fair XLA step, the reference and the peer on this TPU.
 
 Rows (`--json`: {"metadata": {...}, "rows": [...]}): impl, batch, experts, median_ms, min_ms,
 max_ms, steps (timed), hbm_bytes (what the step must read, `mk.perf.bench.step_bytes`: weight_bytes +
@@ -8,7 +8,19 @@ stream bandwidth; null if not measured), tok_s (batch / median), kernel_speedup 
 median / the kernel's), device_median_ms (the step program's device time, from a `jax.profiler`
 trace of 5 more steps: no host dispatch or sync), device_gb_s and device_frac_stream (the same bytes
 over it), device_speedup (this impl's device time / the kernel's), distinct_experts (per MoE layer, mean over the timed steps), error (why a
-case did not run). Off a TPU it refuses (exit 2).
+case did not run); peer rows: peer_format, their bytes counting the experts in it; kernel rows: best_other
+(the faster of xla and peer by device time), device_speedup_vs_best and speedup_vs_best (its device and
+wall time / the kernel's). Off a TPU it refuses (exit 2); so does --impl peer where tpu-inference is not
+installed (`mk.perf.peer`: pip install --no-deps tpu-inference==0.26.0, the release for jax 0.10.2).
+
+`--mode generate` (`mk.perf.bench.measure_generate`, impls kernel and xla): decode tokens/s of the
+device loop (`mk.model.loop`: `--chunk` steps per dispatch, default 16; `--steps` decode steps per
+case, default 128) against the device step rate. Rows: impl, batch, experts, chunk, decode_steps,
+decode_s, loop_step_ms and loop_tok_s (the loop, wall clock), device_step_ms and device_tok_s (one
+step's device time from a `jax.profiler` trace, as above), frac_of_device (loop_tok_s /
+device_tok_s: 1.0 = no gap between steps), host_step_ms and host_tok_s (the per-token host loop,
+each step timed to block_until_ready), loop_speedup (loop_tok_s / host_tok_s), ttft_s, compile_s,
+wall_s, error.
 """
 from __future__ import annotations
 
@@ -24,12 +36,20 @@ def add_parser(subparsers):
     p.add_argument("--config", default="k3-chip", help="preset or checkpoint config (default k3-chip)")
     p.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes (default 1,2,4,8)")
     p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16", help="routed experts' storage format")
-    p.add_argument("--steps", type=positive_int, default=20, help="timed steps per case (default 20)")
+    p.add_argument("--mode", choices=("step", "generate"), default="step",
+                   help="step: time single steps (default); generate: the device decode loop (mk.model.loop) "
+                        "against the device step rate")
+    p.add_argument("--chunk", type=positive_int, default=16, help="--mode generate: steps per dispatch (default 16)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed steps per case (default 20; --mode generate: decode steps, default 128)")
     p.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first, compile included (default 3)")
-    p.add_argument("--impl", default="kernel,xla,reference",
-                   help="comma-separated, of kernel, xla, xla-ragged, reference (default kernel,xla,reference)")
+    p.add_argument("--impl", default=None,
+                   help="comma-separated, of kernel, xla, xla-ragged, reference, peer (default kernel,xla,reference; --mode generate: kernel,xla; "
+                        "peer: vLLM TPU's fused MoE kernel as the routed experts, needs tpu-inference 0.26.0)")
+    p.add_argument("--peer-format", choices=("bf16", "int8", "int4"), default=None,
+                   help="the peer's expert format (default bf16 with --experts bf16, int4 with mxfp4)")
     p.add_argument("--prefetch-depth", type=at_least(0), default=None, help="the kernel's prefetch depth")
-    p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "shift", "bitcast"), default="auto",
+    p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "pairs_mul", "shift", "bitcast"), default="auto",
                    help="how the kernel unpacks MXFP4 codes (`mk check --help`); default the chip's")
     p.add_argument("--seed", type=at_least(0), default=0, help="weights and tokens seed")
     p.add_argument("--json", action="store_true", help="print {metadata, rows} as JSON")
@@ -40,18 +60,62 @@ def run(args) -> int:
     from mk.perf import bench
     from mk.model.config import get_config
 
-    bench.require_tpu()                                   # first: nothing is loaded or built on CPU
+    generate = args.mode == "generate"
+    impl = args.impl or (",".join(bench.GENERATE_IMPLS) if generate else "kernel,xla,reference")
+    impls = [s.strip() for s in impl.split(",") if s.strip()]
+    peer_format = args.peer_format or bench.default_peer_format(args.experts)
+    if "peer" in impls:                                   # first: a missing package is said before the TPU
+        from mk.perf import peer
+        if not peer.available():
+            raise bench.BenchError(f"--impl peer needs {peer.PEER_PACKAGE} {peer.PEER_VERSION}, not importable "
+                                   f"here: {peer.INSTALL_HINT}")
+    bench.require_tpu()                                   # then: nothing is loaded or built on CPU
     batches = int_list(args.batch, "--batch")
-    impls = [s.strip() for s in args.impl.split(",") if s.strip()]
     cfg = get_config(args.config)
+    if generate:
+        return _run_generate(args, bench, cfg, batches, impls)
+    args.steps = args.steps or 20
     rows = bench.measure(cfg, batches, args.experts, args.steps, args.warmup, impls, args.prefetch_depth,
-                         seed=args.seed, mxfp4_unpack=args.mxfp4_unpack)
-    meta = bench.metadata(cfg, args.experts, args.steps, args.warmup)
+                         seed=args.seed, mxfp4_unpack=args.mxfp4_unpack, peer_format=peer_format)
+    meta = bench.metadata(cfg, args.experts, args.steps, args.warmup,
+                          peer_format=peer_format if "peer" in impls else None)
     if args.json:
-        json.dump({"metadata": meta, "rows": rows}, sys.stdout, indent=2)
+        from mk.perf.results import provenance
+        key = {"config": meta["config"], "experts": args.experts}
+        if args.mxfp4_unpack != "auto":
+            key["mxfp4_unpack"] = args.mxfp4_unpack
+        if args.prefetch_depth is not None:
+            key["prefetch_depth"] = args.prefetch_depth
+        record = provenance("bench", key, bench.summary(rows))
+        json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_table(rows, meta))
+    return 0
+
+
+def _run_generate(args, bench, cfg, batches, impls) -> int:
+    steps = args.steps or 128
+    if args.prefetch_depth is not None:
+        raise bench.BenchError("--prefetch-depth is a --mode step option")
+    rows = bench.measure_generate(cfg, batches, args.experts, impls, steps, args.chunk, seed=args.seed,
+                                  mxfp4_unpack=args.mxfp4_unpack)
+    meta = dict(bench.metadata(cfg, args.experts, steps, 1), mode="generate", chunk=args.chunk)
+    if args.json:
+        json.dump({"metadata": meta, "rows": rows}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"{meta['config']} on {meta['device_kind']}, experts {meta['experts']}, device loop: {steps} decode steps "
+          f"in chunks of {args.chunk}; jax {meta['jax_version']}, {meta['date']}")
+    print(f"{'impl':7s} {'B':>2s} {'loop tok/s':>10s} {'ms/step':>8s} {'device ms':>9s} {'device tok/s':>12s} "
+          f"{'of device':>9s} {'host ms':>8s} {'vs host':>8s}")
+    for r in rows:
+        if r["error"]:
+            print(f"{r['impl']:7s} {r['batch']:2d}  not run: {r['error']}")
+            continue
+        print(f"{r['impl']:7s} {r['batch']:2d} {r['loop_tok_s']:10.1f} {r['loop_step_ms']:8.3f} "
+              f"{_f(r['device_step_ms'], '9.3f')} {_f(r['device_tok_s'], '12.1f')} {_f(r['frac_of_device'], '9.3f')} "
+              f"{_f(r['host_step_ms'], '8.3f')} {_f(r['loop_speedup'], '7.2f')}x")
     return 0
 
 
@@ -79,4 +143,9 @@ def format_table(rows: list[dict], meta: dict) -> str:
             f"{_f(r.get('device_median_ms'), '9.3f')} {_f(r.get('device_frac_stream'), '9.2f')} "
             f"{(_f(r['device_speedup'], '8.2f') + 'x') if r.get('device_speedup') else '        -'}  "
             f"{r['distinct_experts']} ({r['distinct_source']})")
+    for r in rows:
+        if r["impl"] == "kernel" and r.get("best_other"):
+            lines.append(f"B={r['batch']}: the kernel against the better of xla and peer ({r['best_other']}"
+                         f"{', ' + meta['peer_format'] if r['best_other'] == 'peer' and meta.get('peer_format') else ''}"
+                         f"): device {_f(r['device_speedup_vs_best'], '.2f')}x, wall {_f(r['speedup_vs_best'], '.2f')}x")
     return "\n".join(lines)

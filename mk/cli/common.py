@@ -103,9 +103,9 @@ def add_step_options(p) -> None:
                    help="how the kernel's MXFP4 experts meet the MXU: 'bf16' (unpacked to bf16 in registers) or "
                         "'fp8' (codes to e4m3, a block-diagonal LHS, 32-row group partials scaled and summed: "
                         "spec 3.5)")
-    p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "shift", "bitcast"), default="auto",
+    p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "pairs_mul", "shift", "bitcast"), default="auto",
                    help="how the kernel unpacks MXFP4 codes: 'pairs' (two bf16 patterns per 32-bit integer op, "
-                        "every TPU), 'shift' (integer shifts and masks into f32, every TPU), "
+                        "every TPU), 'pairs_mul' (the same with integer multiplies, fewer ops), 'shift' (integer shifts and masks into f32, every TPU), "
                         "'bitcast' (the fp4 unpack, TPU v7 only), 'auto' (the chip's: bitcast on TPU v7 and in "
                         "interpret mode, pairs elsewhere)")
 

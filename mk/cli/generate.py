@@ -3,10 +3,20 @@
     python -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
     python -m mk generate --checkpoint DIR --prompt "Hello" [--temperature 0.7 --top-p 0.9] [--json]
 
-Prints the generated token ids of each row (space separated, one line per row; with `--prompt`,
-each row's decoded text follows on its own line, and [EOS] / <|end_of_msg|> stop generation). `--json` prints one JSON object instead:
-tokens (one list per row), prompt_tokens, prefill_s (includes compiling the step), decode_s,
-tokens_per_s, backend, config, and the sampling settings.
+Decoding runs on the device (`mk.model.loop`, `--loop device`, the default): one dispatch runs
+`--chunk N` decode steps (default 16) with sampling, stop ids and the length limit checked on the
+device, and the host reads each chunk while the next one runs. With one row the tokens stream to
+the terminal as each chunk arrives (the token ids on one line, or with `--prompt` the decoded text);
+`--batch` rows print one line each (ids, then with `--prompt` the text) when all are done. A row
+ends at [EOS] / <|end_of_msg|> (with `--prompt`) or after --max-new-tokens. `--json` prints one
+JSON object instead: tokens (one list per row), prompt_tokens, compile_s (prefill and chunk
+programs, before the clock starts), ttft_s (time to first token on the host), prefill_s,
+prefill_tokens_per_s, decode_s, tokens_per_s (decode tokens/s: tokens after each row's first /
+decode_s), chunk, chunks, decode_steps, backend, config, and the sampling settings. `--prefill
+sequential` (default) runs the prompt through the decode step token by token (no host sync); `parallel` calls
+`mk.model.prefill` where this build has it. `--loop host` is the per-token host loop
+(`mk.model.reference.generate`: prefill_s there includes compiling the step); `--speculative`
+and multi-process runs use it.
 
 Weights: `mk.model.params.init(config, seed)` for `--config` (a preset name or a checkpoint directory's
 config), or the tensors of `--checkpoint DIR`. `--backend kernel` runs the megakernel
@@ -33,6 +43,8 @@ from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegat
 from mk.errors import UserError
 
 DEFAULT_CONFIG = "mini"
+DEFAULT_CHUNK = 16                 # mk.model.loop.DEFAULT_CHUNK (not imported: the parser loads no JAX)
+PREFILL_MODES = ("sequential", "parallel")
 
 
 class GenerateError(UserError):
@@ -64,7 +76,24 @@ def _optional_module(name: str, why: str):
         raise
 
 
+def _loop(args) -> str:
+    """The loop a run uses: --loop, else host for --speculative and multi-process runs, else device."""
+    if args.loop is not None:
+        return args.loop
+    return "host" if args.speculative is not None or args.coordinator is not None else "device"
+
+
 def _check_options(args):
+    if args.chunk < 1:
+        raise GenerateError(f"--chunk must be at least 1 step, found {args.chunk}")
+    loop = _loop(args)
+    if loop == "device" and args.speculative is not None:
+        raise GenerateError("--speculative runs on the host loop (mk.kernel.speculative); the device loop "
+                            "does not verify drafts yet (drop --loop device)")
+    if loop == "device" and args.coordinator is not None:
+        raise GenerateError("--coordinator (multi-process) runs on the host loop; drop --loop device")
+    if loop == "host" and args.prefill != "sequential":
+        raise GenerateError(f"--prefill {args.prefill} needs the device loop (drop --loop host)")
     if args.max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens must be at least 1, found {args.max_new_tokens}")
     if args.batch < 1:
@@ -171,6 +200,12 @@ def run(args) -> int:
         from mk.model.reference_sharded import step_fn_for
         step_fn = step_fn_for(cfg, mesh)
     stop_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+    fields = {"backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
+              "mesh": None if mesh is None else mesh.size, "batch": args.batch, "ctx": ctx,
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "seed": args.seed, "loop": _loop(args)}
+    if _loop(args) == "device":
+        return _run_device_loop(args, cfg, params, step_fn, prompt, tokenizer, stop_ids, ctx, fields)
     bar = None
     if step_fn is not None:       # the kernel (interpret mode on CPU) takes seconds per token
         bar = progress(desc=f"generate ({args.backend})", total=total - 1, unit="step",
@@ -185,18 +220,61 @@ def run(args) -> int:
             bar.close()
     if not is_main_process():                               # multi-process: process 0 reports
         return 0
-    return _print_result(args, res, prompt, tokenizer, {
-        "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
-        "mesh": None if mesh is None else mesh.size,
-        "batch": args.batch, "ctx": ctx, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed})
+    return _print_result(args, res, prompt, tokenizer, fields)
 
 
-def _print_result(args, res: dict, prompt, tokenizer, fields: dict) -> int:
-    """Print the generated rows (and their text), or with --json one object: tokens, prompt,
-    timings from `res`, then `fields`."""
+class _Stream:
+    """Prints one row's tokens as chunks arrive: ids space separated, or with a tokenizer the text
+    (each chunk prints what the row's decoded text gained), then a newline at `close`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def __call__(self, chunk):
+        new = [int(t) for t in chunk[0] if t >= 0]
+        if not new:
+            return
+        if self.tokenizer is None:
+            sys.stdout.write(("" if not self.ids else " ") + " ".join(map(str, new)))
+        self.ids += new
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(self.ids)
+            sys.stdout.write(text[len(self.text):] if text.startswith(self.text) else "\n" + text)
+            self.text = text
+        sys.stdout.flush()
+
+    def close(self):
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def _run_device_loop(args, cfg, params, step_fn, prompt, tokenizer, stop_ids, ctx, fields) -> int:
+    """Decode with mk.model.loop; one row streams to stdout, more print when done."""
     import numpy as np
-    rows = [[int(t) for t in row] for row in np.asarray(res["tokens"])]
+    from mk.cli.distributed import is_main_process
+    from mk.model import loop
+
+    try:
+        step = loop.loop_step_of(step_fn, params, cfg)
+        stream = _Stream(tokenizer) if args.batch == 1 and not args.json and is_main_process() else None
+        res = loop.generate(step, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)), args.max_new_tokens,
+                            sampling=loop.Sampling(args.temperature, args.top_p, stop_ids), seed=args.seed, ctx=ctx,
+                            chunk=args.chunk, prefill=args.prefill, params=params, on_tokens=stream)
+    except loop.LoopError as e:
+        raise GenerateError(str(e)) from None
+    if stream is not None:
+        stream.close()
+    if not is_main_process():
+        return 0
+    extra = {k: res[k] for k in ("compile_s", "ttft_s", "prefill_tokens_per_s", "chunk", "chunks", "decode_steps")}
+    return _print_result(args, dict(res, tokens=loop.rows(res)), prompt, tokenizer,
+                         dict(fields, prefill=args.prefill, **extra), printed=stream is not None)
+
+
+def _print_result(args, res: dict, prompt, tokenizer, fields: dict, printed: bool = False) -> int:
+    """Print the generated rows (and their text), or with --json one object: tokens, prompt,
+    timings from `res`, then `fields`. printed: the rows were streamed already."""
+    rows = [[int(t) for t in row] for row in res["tokens"]]
     texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
     if args.json:
         out = {"tokens": rows, "prompt_tokens": prompt, "prefill_s": res["prefill_s"], "decode_s": res["decode_s"],
@@ -204,7 +282,7 @@ def _print_result(args, res: dict, prompt, tokenizer, fields: dict) -> int:
         if texts is not None:
             out["text"] = texts
         print(json.dumps(out))
-    else:
+    elif not printed:
         for i, row in enumerate(rows):
             print(" ".join(map(str, row)))
             if texts is not None:
@@ -246,7 +324,7 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         "device": jax.devices()[0].platform,
         "speculative": args.speculative, "drafter": args.drafter,
         "fixed_acceptance_length": args.fixed_acceptance_length,
-        "acceptance_lengths": res["acceptance"], "mean_acceptance_length": res["mean_acceptance"],
+        "loop": "host", "acceptance_lengths": res["acceptance"], "mean_acceptance_length": res["mean_acceptance"],
         "tokens_per_step": res["tokens_per_step"], "steps": res["steps"],
         "backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
         "mesh": args.mesh, "batch": args.batch, "ctx": res["ctx"], "max_new_tokens": args.max_new_tokens,
@@ -277,6 +355,15 @@ def add_parser(subparsers):
                    help="drafter checkpoint for --speculative (default: random drafter weights from --seed)")
     p.add_argument("--fixed-acceptance-length", type=int, default=None, metavar="L",
                    help="--speculative: accept L - 1 drafts every step (speed only; tokens not meaningful)")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, metavar="N",
+                   help=f"decode steps per device dispatch (default {DEFAULT_CHUNK}); the host reads a chunk's "
+                        "tokens while the next runs")
+    p.add_argument("--loop", choices=("device", "host"), default=None,
+                   help="device: chunks of --chunk steps on the device (default); host: one dispatch and one "
+                        "sync per token (the default for --speculative and multi-process runs)")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
+                   help="sequential: the prompt through the decode step, token by token, without a host sync "
+                        "(default); parallel: mk.model.prefill, all positions at once")
     add_step_options(p)
     from mk.cli.distributed import add_distributed_args
     add_distributed_args(p, mesh=False)

@@ -154,7 +154,15 @@ def run_check(args) -> int:
                 mxfp4_matmul=args.mxfp4_matmul, mxfp4_unpack=args.mxfp4_unpack, exact=args.exact,
                 fault=args.fault)
     if args.json:
-        print(json.dumps(_finite(res), indent=1, allow_nan=False))
+        from mk.perf.results import provenance
+        key = {"config": args.config, "experts": res.get("experts"), "batch": args.batch, "mesh": args.mesh or 1}
+        if args.fault:
+            key["fault"] = args.fault
+        summary = (f"{res['verdict']}; max logit error kernel {res['max_abs_logit_err']:.4g}"
+                   + (f" / XLA {res['xla_max_abs_logit_err']:.4g}" if res.get("xla_max_abs_logit_err") is not None
+                      else "") + f" over {args.steps} steps ({res.get('mode', '')})")
+        rec = {"record": provenance("check", key, summary)}
+        print(json.dumps(_finite(rec | res), indent=1, allow_nan=False))
     else:
         for k, v in res.items():
             if k not in ("per_step", "reasons", "verdict"):

@@ -13,6 +13,7 @@ import json
 import sys
 
 from mk.cli.common import positive_int
+from mk.errors import writable_path
 
 
 def add_parser(subparsers):
@@ -34,6 +35,8 @@ def run(args) -> int:
     from mk.perf import microbench as mb
     from mk.cli.common import progress
 
+    if args.write:                                 # before minutes of timing, and before the TPU check
+        writable_path(args.write, "--write")
     if args.check or args.compile:
         out = {}
         if args.check:
@@ -52,7 +55,7 @@ def run(args) -> int:
                       f"  ({args.compile})")
         return 0 if ok else 1
 
-    bar = progress(desc="microbench", total=len(mb.MXU_ROWS) + len(mb.MXU_DTYPES) - 1 + len(mb.DMA_SIZES) + 1)
+    bar = progress(desc="microbench", total=len(mb.MXU_ROWS) + len(mb.MXU_DTYPES) - 1 + len(mb.DMA_SIZES) + len(mb.STREAM_POINTS) + 1)
 
     def step(what):
         bar.set_postfix_str(what)
@@ -72,7 +75,12 @@ def run(args) -> int:
         for k in sorted(refused):
             print(f"--write: {k} not written ({'; '.join(refused[k][:2])})", file=sys.stderr)
     if args.json:
-        json.dump(res, sys.stdout, indent=2, default=float)
+        from mk.perf.results import provenance
+        c = res["constants"]
+        summary = (f"stream {c['dma_stream_bw'] / 1e9:.0f} GB/s, descriptor latency {c['dma_descriptor_latency'] * 1e6:.2f} us, "
+                   f"push rows {c['mxu_push_rows']:.1f}, dequant {c['dequant_op_rate']:.3g} op/s"
+                   + (f"; not written: {', '.join(res['not_written'])}" if res.get("not_written") else ""))
+        json.dump({"record": provenance("microbench", {}, summary)} | res, sys.stdout, indent=2, default=float)
         sys.stdout.write("\n")
         return 0
     print(f"measured on {res['device_kind']} (one TensorCore; best of {args.trials} runs per point, "
@@ -86,6 +94,10 @@ def run(args) -> int:
     for nbytes, r in res["dma"].items():
         print(f"  {nbytes >> 10:5d} KiB: one at a time {r['s_one_at_a_time'] * 1e6:8.2f} us, "
               f"{mb.DMA_INFLIGHT} in flight {r['stream_bw'] / 1e12:5.2f} TB/s")
+    print(f"HBM -> VMEM stream ({mb.STREAM_BYTES[0] >> 20} MiB against {mb.STREAM_BYTES[1] >> 20} MiB of copies):")
+    for name, r in res["stream"].items():
+        print(f"  {name:>10s}: {r['s_per_copy'] * 1e6:8.2f} us per copy = "
+              f"{(r['stream_bw'] or 0) / 1e9:6.1f} GB/s")
     print(f"constants (data/microbench.csv rows, {res['chip']}):")
     for k, v in res["constants"].items():
         print(f"  {k:24s} {v:.4g}")

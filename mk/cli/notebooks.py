@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import sys
 
+from mk.errors import UserError, creatable_dir
+
 
 def add_parser(subparsers):
     p = subparsers.add_parser("notebooks", help="execute notebooks/*.ipynb (papermill) and export HTML + figures")
@@ -71,7 +73,12 @@ def run(args) -> int:
     if not args.out:
         print("error: the following arguments are required: --out (or --render-figures DIR)", file=sys.stderr)
         return 2
-    from mk.notebooks.runner import export_available, run_all
+    from mk.notebooks.runner import NOTEBOOK_DIR, export_available, notebooks, run_all
+    names = [nb.name for nb in notebooks()]
+    for o in args.only or ():
+        if not any(o in n for n in names):
+            raise UserError(f"--only {o!r} matches no notebook in {NOTEBOOK_DIR}: expected part of one of {names}")
+    creatable_dir(args.out, "--out")
     params = {k: _literal(v) for k, v in args.parameter}
     results = run_all(args.out, params, only=args.only, html=not args.no_html, timeout=args.timeout,
                       transport=args.transport, pause=args.pause, export=False if args.no_export else None)

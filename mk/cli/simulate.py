@@ -19,7 +19,7 @@ import os
 import sys
 
 from mk.cli.common import positive_int
-from mk.errors import UserError
+from mk.errors import UserError, writable_path
 
 
 def add_parser(subparsers):
@@ -138,6 +138,8 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
     for name in systems:
         _check_system(hardware.get_system(name, microbench_csv=microbench), plans, mxfp4_matmul, sensitivity)
     paths = _trace_paths(trace, [(s, b, p) for s in systems for b in batches for p in plans]) if trace else {}
+    for path in paths.values():                    # before any step is modelled
+        writable_path(path, "--trace")
     out = []
     for name in systems:
         system = hardware.get_system(name, microbench_csv=microbench)

@@ -224,7 +224,9 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     from mk.io.convert import dequantize_experts
     from mk.kernel.step import expert_k_chunk, experts_format
 
+    t_setup = time.perf_counter()
     params = params if params is not None else params_mod.init(cfg, seed)
+    init_s = time.perf_counter() - t_setup
     experts = experts or experts_format(params)
     if experts == "mxfp4" and experts_format(params) == "bf16":
         from mk.io.synth import mxfp4_params
@@ -240,8 +242,10 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     if on_tpu():
         if mesh > 1:
             raise UserError("mk check on a TPU compares one device's kernel (--mesh 1) with XLA on the chip")
-        return check_on_chip(cfg, step_fn, params, batch, steps, ctx=ctx, seed=seed, prompt_len=prompt_len,
-                             progress=progress)
+        setup_s = {"params_init": round(init_s, 3), "total": round(time.perf_counter() - t_setup, 3)}
+        res = check_on_chip(cfg, step_fn, params, batch, steps, ctx=ctx, seed=seed, prompt_len=prompt_len,
+                            progress=progress)
+        return res | {"setup_s": setup_s}    # params on the host, MXFP4 packing, the kernel's weights
     if mesh > 1:
         from mk.model import reference_sharded as rs
         ref_params = rs.shard_params(params, step_fn.mesh)
@@ -376,11 +380,19 @@ def check_on_chip(cfg: K3Config, step_fn, params: dict, batch: int, steps: int, 
     if progress:
         from tqdm.auto import tqdm
         it = tqdm(it, desc=f"check on chip B={batch}", leave=False, disable=None)
+    first_call_s = {}                            # kernel / XLA / oracle: compile + first step, seconds
+
+    def timed(who, fn, *args, **kw):
+        t = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kw))
+        first_call_s.setdefault(who, round(time.perf_counter() - t, 3))
+        return out
+
     for s in it:
         tok = jnp.asarray(tokens, jnp.int32)
-        k_logits, k_cache = step_fn(None, fresh(o_cache, chip), jax.device_put(tok, chip))   # (donated)
-        x_logits, x_cache = ref(x_params, fresh(o_cache, chip), jax.device_put(tok, chip))
-        o_logits, o_next, margins = ref(o_params, o_cache, jax.device_put(tok, cpu), route_margins=True)
+        k_logits, k_cache = timed("kernel", step_fn, None, fresh(o_cache, chip), jax.device_put(tok, chip))  # (donated)
+        x_logits, x_cache = timed("xla", ref, x_params, fresh(o_cache, chip), jax.device_put(tok, chip))
+        o_logits, o_next, margins = timed("oracle", ref, o_params, o_cache, jax.device_put(tok, cpu), route_margins=True)
         o_logits, margins = np.asarray(o_logits), np.asarray(margins)
         k_logits, x_logits = np.asarray(k_logits), np.asarray(x_logits)
         tie_rows = sorted(set(np.flatnonzero((margins < ROUTE_NEAR_TIE).any(axis=-1)).tolist()))
@@ -425,7 +437,7 @@ def check_on_chip(cfg: K3Config, step_fn, params: dict, batch: int, steps: int, 
            "factor_logits": (worst["logits"][0] / worst["logits"][1]) if worst["logits"][1] else None,
            "vs_xla": vs_xla, "greedy_flips": flips, "route_near_ties": near, "nan": bool(nan_arrays),
            "nan_arrays": nan_arrays, "pallas_calls_per_step": n_calls, "races": 0,
-           "wall_s": time.perf_counter() - t0, "per_step": per_step}
+           "wall_s": time.perf_counter() - t0, "first_call_s": first_call_s, "per_step": per_step}
     reasons = chip_verdict(res)
     res.update(verdict="fail" if reasons else "pass", reasons=reasons, tolerances=dict(CHIP_TOLERANCES))
     return res

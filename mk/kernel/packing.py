@@ -190,7 +190,11 @@ def mxfp4_codes_kn(packed: np.ndarray) -> np.ndarray:
     return np.swapaxes(codes, -1, -2)
 
 
-UNPACKS = ("pairs", "shift", "bitcast")      # `Plan.mxfp4_unpack`: the code word layouts
+# `Plan.mxfp4_unpack` -> the code word layout it reads ('pairs_mul' builds the 'pairs' values with
+# other ops, from the same words)
+UNPACK_LAYOUT = {"pairs": "pairs", "pairs_mul": "pairs", "shift": "shift", "bitcast": "bitcast"}
+UNPACKS = tuple(UNPACK_LAYOUT)
+LAYOUTS = tuple(dict.fromkeys(UNPACK_LAYOUT.values()))
 
 
 def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
@@ -204,9 +208,11 @@ def pack_mxfp4_tiles(codes: np.ndarray, scales: np.ndarray, tk: int, tn: int,
     j * tk / 8 + w in bits 4j .. 4j + 3 (a shift by 4j gives rows j * tk / 8 .. as one block);
     'pairs': bf16 pairs, rows j * tk / 4 + 2w (+ 1) in bits 4j .. (16 + 4j ..), codes re-encoded by
     `pairs_nibble` (a shift by 4j puts the two codes of rows j * tk / 4 + 2w, + 1 at bits 0 and 16).
-    Scale byte j of word w is row-group block j (group j * tk / 128 + w)."""
+    Scale byte j of word w is row-group block j (group j * tk / 128 + w). 'pairs_mul' reads the
+    'pairs' words (`UNPACK_LAYOUT`)."""
     if unpack not in UNPACKS:
         raise PlanError(f"unpack must be one of {UNPACKS}, found {unpack!r}")
+    unpack = UNPACK_LAYOUT[unpack]
     *lead, kp, npad = codes.shape
     kt, nt = kp // tk, npad // tn
 

@@ -309,6 +309,7 @@ class ScheduleOptions:
                    with an fp8 MXU, `FP8_MXU`)
     mxfp4_unpack   how the kernel turns code words into values: 'auto': the chip's (`MXFP4_UNPACK`);
                    'pairs': integer ops building two bf16 bit patterns per 32-bit lane (every TPU);
+                   'pairs_mul': the same words and values, with integer multiplies (every TPU);
                    'shift': integer shifts and masks into f32 bit patterns (every TPU); 'bitcast':
                    `pltpu.bitcast` to E2M1 and one conversion (TPU v7). The packed code layout
                    follows (`pack_mxfp4_tiles`)
@@ -336,7 +337,7 @@ class ScheduleOptions:
     CHOICES = {"program": ("megakernel", "per_op"), "dma": ("tile", "matrix"), "prefetch": ("ring", "lookahead"),
                "expert_issue": ("routing", "selection"), "collectives": ("merged", "seed"),
                "message_rows": ("tile", "packed"), "all_reduce": ("one_round", "two_round"), "recipe": ("base", "tuned"), "mxfp4_matmul": ("bf16", "fp8"),
-               "mxfp4_unpack": ("auto", "pairs", "shift", "bitcast")}
+               "mxfp4_unpack": ("auto", "pairs", "pairs_mul", "shift", "bitcast")}
 
     def __post_init__(self):
         for f, allowed in self.CHOICES.items():

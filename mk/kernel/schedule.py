@@ -42,13 +42,16 @@ from mk.kernel.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError,
 #           shift folded in), a quarter of the word's `nonzero_bits` (4) and the broadcast exponent
 #           pair: 12.5, so 6.25 per weight (v5e, v6e; the v5e LLO of a 512 x 512 tile: 1539 vector
 #           ALU ops of 1024 lanes, 6.0 per weight);
+#       'pairs_mul': the same words, `pair_bits_mul` (9, 9, 10, 9: integer multiplies lay the mask and
+#           the sign), the quarter of `nonzero_bits` and the exponent pair: 11.25 per pair, so 5.625
+#           per weight (`docs/tpu-v5e/llo_unpack.py`: 1668 -> 1477 vector ALU ops per tile, 0.89x);
 #   ('fp8', *): the e4m3 tile stored to VMEM, then a block-diagonal LHS (`fp8_tile_product`);
 #       'bitcast': the seed (spec 3.5): one fp4 -> fp8 conversion per weight, the E8M0 group scales
 #           applied to [B, T/32, N] partial products (per group, not per weight): 1;
 #       'shift': the shift, concatenation and `e2m1_bits` (12), the e4m3 conversion and store: 14;
-#       'pairs': as above, a bf16 -> e4m3 conversion and the store: 9.25.
-DEQUANT_OPS = {("bf16", "bitcast"): 3, ("bf16", "shift"): 14, ("bf16", "pairs"): 6.25,
-               ("fp8", "bitcast"): 1, ("fp8", "shift"): 14, ("fp8", "pairs"): 9.25}
+#       'pairs', 'pairs_mul': as above, a bf16 -> e4m3 conversion and the store: 9.25, 8.625.
+DEQUANT_OPS = {("bf16", "bitcast"): 3, ("bf16", "shift"): 14, ("bf16", "pairs"): 6.25, ("bf16", "pairs_mul"): 5.625,
+               ("fp8", "bitcast"): 1, ("fp8", "shift"): 14, ("fp8", "pairs"): 9.25, ("fp8", "pairs_mul"): 8.625}
 
 
 def dequant_ops(mxfp4_matmul: str, unpack: str) -> float:

@@ -228,7 +228,15 @@ def make_step_fn(params: dict, cfg: K3Config, batch: int, *, prefetch_depth: int
 
     step_fn.plan = plan
     step_fn.mesh = device_mesh
+    step_fn.loop_step = lambda _params=None: loop_step(step, weights, device_mesh)
     return step_fn
+
+
+def loop_step(step, weights: dict, mesh):
+    """The kernel's step for `mk.model.loop` (traced inside its decode chunks): `step` from
+    `make_decode_step`, its packed weights, caches placed on `mesh`."""
+    from mk.model.loop import LoopStep
+    return LoopStep(step, weights, functools.partial(place_cache, mesh=mesh))
 
 
 class KernelVerifier:

@@ -212,15 +212,26 @@ class K3Config:
                 raise ConfigError(f"{path}: config.json not found") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: the top level must be a JSON object, found {type(raw).__name__}")
         cfg = raw.get("text_config", raw)
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: 'text_config' must be an object")
         lin = cfg.get("linear_attn_config", {})
+        if not isinstance(lin, Mapping):
+            raise ConfigError(f"{where}: 'linear_attn_config' must be an object, found {type(lin).__name__}")
 
         def get(key: str, table: Mapping = cfg, prefix: str = ""):
             if key not in table:
                 raise ConfigError(f"{where}: missing key '{prefix}{key}'")
             return table[key]
+
+        def get_float(key: str, table: Mapping = cfg, prefix: str = "") -> float:
+            value = get(key, table, prefix)
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where}: '{prefix}{key}' must be a number, found {value!r}") from None
 
         for key, expected in REQUIRED_SETTINGS.items():
             found = cfg.get(key, _MISSING)
@@ -243,31 +254,32 @@ class K3Config:
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: 'linear_attn_config.full_attn_layers' must be a list of "
                               f"1-based layer numbers, found {layers_1b!r}") from None
+        fields = dict(                     # every key read here first: a missing one names `where` once
+            dim=get("hidden_size"),
+            latent=get("routed_expert_hidden_size"),
+            expert_hidden=get("moe_intermediate_size"),
+            num_shared_experts=get("num_shared_experts"),
+            dense_hidden=get("intermediate_size"),
+            experts=get("num_experts"),
+            top_k=get("num_experts_per_token"),
+            layers=get("num_hidden_layers"),
+            heads=get("num_attention_heads"),
+            head_dim=head_dim,
+            q_rank=get("q_lora_rank"),
+            kv_rank=get("kv_lora_rank"),
+            qk_extra=get("qk_rope_head_dim"),
+            vocab=get("vocab_size"),
+            conv_size=get("short_conv_kernel_size", lin, "linear_attn_config."),
+            residual_block=get("attn_res_block_size"),
+            eps=get_float("rms_norm_eps"),
+            situ_beta=get_float("activation_situ_beta"),
+            situ_linear_beta=get_float("activation_situ_linear_beta"),
+            gate_lower_bound=get_float("gate_lower_bound", lin, "linear_attn_config."),
+            full_attention=full,
+        )
         try:
-            return cls(
-                dim=get("hidden_size"),
-                latent=get("routed_expert_hidden_size"),
-                expert_hidden=get("moe_intermediate_size"),
-                num_shared_experts=get("num_shared_experts"),
-                dense_hidden=get("intermediate_size"),
-                experts=get("num_experts"),
-                top_k=get("num_experts_per_token"),
-                layers=get("num_hidden_layers"),
-                heads=get("num_attention_heads"),
-                head_dim=head_dim,
-                q_rank=get("q_lora_rank"),
-                kv_rank=get("kv_lora_rank"),
-                qk_extra=get("qk_rope_head_dim"),
-                vocab=get("vocab_size"),
-                conv_size=get("short_conv_kernel_size", lin, "linear_attn_config."),
-                residual_block=get("attn_res_block_size"),
-                eps=float(get("rms_norm_eps")),
-                situ_beta=float(get("activation_situ_beta")),
-                situ_linear_beta=float(get("activation_situ_linear_beta")),
-                gate_lower_bound=float(get("gate_lower_bound", lin, "linear_attn_config.")),
-                full_attention=full,
-            )
-        except ConfigError as e:
+            return cls(**fields)
+        except ConfigError as e:           # __post_init__'s checks do not know the file
             raise ConfigError(f"{where}: {e}") from None
 
 
@@ -312,7 +324,7 @@ PRESETS: dict[str, K3Config] = {
         experts=16, top_k=4, layers=8, heads=2, head_dim=128, q_rank=128, kv_rank=128,
         qk_extra=64, vocab=2048, residual_block=3, full_attention=(3, 7)),
     # mini's shape with every split width divisible 2, 4 and 8 ways (heads 8, experts 16 top-8,
-    # latent/dense/shared/vocab multiples of 8): the sharded kernel's interpret-mode tests.
+    # latent, dense, shared and vocab widths multiples of 8): the sharded kernel's interpret-mode tests.
     # 4 layers: dense 0, KDA 1-2, MLA 3; AttnRes blocks of 2 layers -> snapshots b_0, b_1.
     "mini-tp8": K3Config(
         dim=256, latent=256, expert_hidden=256, num_shared_experts=2, dense_hidden=1024,
@@ -325,7 +337,21 @@ PRESETS: dict[str, K3Config] = {
     # vocab 32768. 3.0 B parameters, 6.0 GB in bf16: the kernel's packed weights and an XLA step's
     # fit one TPU v5e side by side. The notebooks' and `mk bench`'s default on a TPU.
     "k3-chip": K3Config(layers=3, experts=16, top_k=8, heads=32, vocab=32768, full_attention=(2,)),
+    # The seed's depth on one 16 GiB chip (`DEPTH_PRESETS`): the K3 layer pattern (dense KDA layer 0,
+    # MLA at every fourth layer from 3 -- KDA:MLA 3:1, the last layer MLA -- AttnRes blocks of 12
+    # layers), 16 experts top-8, vocab 32768, widths thinner as layers multiply so that a step at
+    # B = 1 reads 4.0-4.4 GB of bf16 weights (k3-chip: 4.5). Latent widths are multiples of 256 (the
+    # peer MoE kernel's bf16 token packing; K3's latent is dim / 2). docs/tpu.md has the table.
+    "k3-d12": K3Config(layers=12, dim=3584, latent=1792, expert_hidden=1536, dense_hidden=16896, experts=16,
+                       top_k=8, heads=24, vocab=32768, full_attention=tuple(range(3, 12, 4))),
+    "k3-d24": K3Config(layers=24, dim=2560, latent=1280, expert_hidden=1024, dense_hidden=12288, experts=16,
+                       top_k=8, heads=16, q_rank=1024, vocab=32768, full_attention=tuple(range(3, 24, 4))),
+    "k3-d48": K3Config(layers=48, dim=1792, latent=1024, expert_hidden=768, dense_hidden=8448, experts=16,
+                       top_k=8, heads=12, q_rank=768, vocab=32768, full_attention=tuple(range(3, 48, 4))),
 }
+
+# k3-chip's matrix widths at 3 layers, then the seed's depth at thinner widths (`mk bench` on one v5e).
+DEPTH_PRESETS = ("k3-chip", "k3-d12", "k3-d24", "k3-d48")
 
 
 def get_config(name_or_path: "str | K3Config") -> K3Config:

@@ -353,6 +353,12 @@ def step_fn_for(cfg: K3Config, mesh, expert_k_chunk: int = K_CHUNK):
         if getattr(tokens, "sharding", None) != want:
             tokens = replicate(np.asarray(tokens, np.int32), mesh)
         return step(params, cache, tokens)
+
+    def loop_step(params):
+        """This step for `mk.model.loop` (traced inside its decode chunks), the cache placed first."""
+        from mk.model.loop import LoopStep
+        return LoopStep(step, params, lambda cache: shard_cache(jax.tree.map(np.asarray, cache), mesh))
+    step_fn.loop_step = loop_step
     return step_fn
 
 

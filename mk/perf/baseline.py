@@ -266,14 +266,21 @@ def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts:
     return acc
 
 
-def moe_layer(m, moe_params: dict, i: int, cfg: K3Config, experts: str, moe: str, one_layer: bool = False):
-    """MoE layer i (params["moe"], stacked), m [B, d] bf16 -> (z [B, d] bf16, ids [B, k]), the
-    reference's rounding points. one_layer: see `routed_ragged`."""
+def moe_layer(m, params: dict, i: int, cfg: K3Config, experts: str, moe: str, routed=None):
+    """MoE layer i, m [B, d] bf16 -> (z [B, d] bf16, ids [B, k]), the reference's rounding points.
+    params: the step's whole tree (params["moe"] stacked over MoE layers). routed: None (this
+    module's `moe` mode on params["moe"]'s w1/w3/w2) or a function (latent [B, Lt] bf16, ids [B, k],
+    weights [B, k] f32, params, i) -> r_sum [B, Lt] (rounded to bf16 here) that computes the routed
+    experts another way (`mk.perf.peer`: tpu-inference's fused MoE kernel)."""
+    moe_params = params["moe"]
     w = {k: v[i] for k, v in moe_params.items() if k not in ("w1", "w3", "w2")}
     ids, weights = route(m, w["router"], w["router_bias"], cfg.top_k)
     latent = bf(dot(m, w["latent_down"]))
-    routed = routed_loop if moe == "loop" else functools.partial(routed_ragged, one_layer=one_layer)
-    r_sum = bf(routed(latent, ids, weights, moe_params, i, cfg, experts))
+    if routed is None:
+        mode = routed_loop if moe == "loop" else routed_ragged
+        routed = lambda latent, ids, weights, params, i: mode(latent, ids, weights, params["moe"], i, cfg, experts)
+    with jax.named_scope("routed_experts"):
+        r_sum = bf(routed(latent, ids, weights, params, i))
     z_routed = dot(rms(r_sum, w["latent_norm"], cfg.eps), w["latent_up"])
     h = situ(bf(dot(m, w["shared_gate"])), bf(dot(m, w["shared_up"])), cfg.situ_beta, cfg.situ_linear_beta)
     return bf(z_routed + dot(h, w["shared_down"])), ids
@@ -289,10 +296,10 @@ def _slice(tree: dict, i: int) -> dict:
 
 
 def step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, experts: str = "bf16",
-         moe: str = "loop", routing: bool = False):
+         moe: str = "loop", routing: bool = False, routed=None):
     """One decode step (not jitted; `make_baseline_step` jits it): tokens [B] int32 ->
     (logits [B, V] f32, cache advanced by one position), and with `routing` the chosen experts
-    ids [n_moe, B, k] int32 (ascending per row) as a third output."""
+    ids [n_moe, B, k] int32 (ascending per row) as a third output. routed: see `moe_layer`."""
     chosen = []
     pos = cache["pos"]
     kda_state, conv_state = cache["kda_state"], cache["conv_state"]
@@ -318,7 +325,7 @@ def step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, experts
         if l == 0:
             z = dense_layer(mm_in, params["dense"], cfg)
         else:
-            z, ids = moe_layer(mm_in, params["moe"], l - 1, cfg, experts, moe)
+            z, ids = moe_layer(mm_in, params, l - 1, cfg, experts, moe, routed)
             chosen.append(ids)
         p = bf(p + z)
     h = mix(p, blocks, params["output_res"], cfg.eps)

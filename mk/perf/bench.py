@@ -4,7 +4,9 @@
 
 In one process, at each batch: the kernel (`mk.kernel.decode.make_decode_step` on `kernel_weights`),
 the fair XLA step (`mk.perf.baseline`, impl "xla"; "xla-ragged": its ragged_dot MoE) and the oracle
-(`mk.model.reference.decode_step`, jitted). Each case decodes a stream of random token ids (the same for
+(`mk.model.reference.decode_step`, jitted), and with impl "peer" the fair XLA step whose routed experts
+are vLLM TPU's fused MoE kernel (`mk.perf.peer`, tpu-inference; `peer_format` bf16, int8 or int4,
+its own expert bytes in the row). Each case decodes a stream of random token ids (the same for
 every impl of a batch) with its cache advancing, `warmup` untimed steps then `steps` timed ones,
 each timed to `jax.block_until_ready`.
 
@@ -44,8 +46,9 @@ from mk.errors import UserError
 from mk.kernel.plan import CHIP_OF_DEVICE_KIND, HARDWARE_CHIP
 from mk.kernel.schedule import schedule
 
-IMPLS = ("kernel", "xla", "xla-ragged", "reference")
+IMPLS = ("kernel", "xla", "xla-ragged", "reference", "peer")
 DEFAULT_IMPLS = ("kernel", "xla", "reference")
+RIVALS = ("xla", "peer")          # the kernel's ratios against the better of these (`add_ratios`)
 # jax device_kind -> (mk.kernel.plan chip, data/hardware.csv chip)
 DEVICE_KINDS = {kind: (chip, HARDWARE_CHIP[chip]) for kind, chip in CHIP_OF_DEVICE_KIND.items() if chip in HARDWARE_CHIP}
 STREAM_QUANTITY = "dma_stream_bw"
@@ -170,13 +173,57 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     """Set `kernel_speedup` = this impl's median / the kernel's at the same batch (how many times
     faster the kernel is, on the wall clock), and `device_speedup`, the same of their device times
     (the step programs alone: the wall clock adds about 1 ms of host dispatch and sync per step,
-    which varies from run to run by as much); None for the kernel itself or where either has no time."""
+    which varies from run to run by as much); None for the kernel itself or where either has no time.
+    On the kernel's rows: `best_other`, the faster of the impls in RIVALS that ran (by device time,
+    else by wall clock), and `device_speedup_vs_best` / `speedup_vs_best`, its device / wall time
+    over the kernel's (None where it has none)."""
     for key, out in (("median_ms", "kernel_speedup"), ("device_median_ms", "device_speedup")):
         kernel = {r["batch"]: r[key] for r in rows if r["impl"] == "kernel" and r.get(key)}
         for r in rows:
             k = kernel.get(r["batch"])
             r[out] = r[key] / k if r["impl"] != "kernel" and k and r.get(key) else None
+    for r in rows:
+        if r["impl"] != "kernel":
+            continue
+        rivals = [o for o in rows if o["batch"] == r["batch"] and o["impl"] in RIVALS
+                  and (o.get("device_median_ms") or o.get("median_ms"))]
+        by = "device_median_ms" if rivals and all(o.get("device_median_ms") for o in rivals) else "median_ms"
+        best = min(rivals, key=lambda o: o[by]) if rivals else None
+        r["best_other"] = best["impl"] if best else None
+        r["device_speedup_vs_best"] = best["device_speedup"] if best else None
+        r["speedup_vs_best"] = best["kernel_speedup"] if best else None
     return rows
+
+
+OTHERS = ("xla", "xla-ragged", "peer")     # the steps the kernel is raced against (not the oracle)
+
+
+def _series(values, fmt: str = ".2f") -> str:
+    return " / ".join("-" if v is None else format(v, fmt) for v in values)
+
+
+def summary(rows: list[dict]) -> str:
+    """One line of a bench's figures, for its record: the kernel's device (else wall) ms per batch,
+    its fraction of the stream, and its speedup over the fastest of the other steps."""
+    batches = sorted({r["batch"] for r in rows})
+    kern = {r["batch"]: r for r in rows if r["impl"] == "kernel" and not r.get("error")}
+    if not kern:
+        return "kernel not run: " + "; ".join(sorted({r["error"] for r in rows if r.get("error")}))[:200]
+    device = all(kern[b].get("device_median_ms") for b in kern)
+    key, frac = ("device_median_ms", "device_frac_stream") if device else ("median_ms", "frac_stream")
+    out = (f"kernel {'device' if device else 'wall'} {_series(kern.get(b, {}).get(key) for b in batches)} ms at "
+           f"B = {' / '.join(map(str, batches))}; {_series((kern.get(b, {}).get(frac) for b in batches))} of stream")
+    if any(r.get("distinct_source", "").startswith("expected") for r in kern.values()):
+        out += " (bytes of uniform routing's expected experts: no XLA step counted the routed ones)"
+    best = {}
+    for r in rows:
+        if r["impl"] in OTHERS and r.get(key) and (r["batch"] not in best or r[key] < best[r["batch"]][key]):
+            best[r["batch"]] = r
+    if best:
+        ratio = [best[b][key] / kern[b][key] if b in best and b in kern else None for b in batches]
+        names = "/".join(sorted({best[b]["impl"] for b in best}))
+        out += f"; {_series(ratio)}x faster than the best other step ({names})"
+    return out
 
 
 def finish_row(row: dict, nbytes: dict, bw: dict) -> dict:
@@ -202,8 +249,10 @@ def pack_key(plan) -> tuple:
 
 
 def device_bytes_needed(cfg: K3Config, experts: str, impls: Sequence[str], batches: Sequence[int], ctx: int,
-                        chip: str) -> dict:
-    """Device bytes the bench holds at its peak: {"params", "reference_experts", "kernel", "caches", "total"}."""
+                        chip: str, peer_format: str = "bf16") -> dict:
+    """Device bytes the bench holds at its peak: {"params", "reference_experts", "kernel", "peer", "caches",
+    "total"}; the kernel's packed weights are freed before the reference's experts and the peer's
+    are made, so the total counts the larger of the two."""
     from mk.kernel.aot import kernel_weight_shapes
     from mk.perf.baseline import abstract_params
     from mk.model.params import nbytes, shapes
@@ -218,9 +267,13 @@ def device_bytes_needed(cfg: K3Config, experts: str, impls: Sequence[str], batch
     if kernel:
         plan = make_plan(cfg, max(batches), chip=chip, experts=experts, ctx=ctx, check=False)
         kw = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in kernel_weight_shapes(plan).values())
+    peer_bytes = 0
+    if "peer" in impls:
+        from mk.perf.peer import expert_bytes
+        peer_bytes = int(cfg.n_moe * cfg.experts * expert_bytes(cfg, peer_format))
     caches = 2 * nbytes(jax.eval_shape(lambda: init_cache(cfg, max(batches), ctx)))
-    return {"params": params, "reference_experts": ref_experts, "kernel": kw, "caches": caches,
-            "total": params + ref_experts + kw + caches}
+    return {"params": params, "reference_experts": ref_experts, "kernel": kw, "peer": peer_bytes, "caches": caches,
+            "total": params + max(kw, ref_experts + peer_bytes) + caches}
 
 
 def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str):
@@ -236,7 +289,7 @@ def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str
     if limit is not None and need["total"] > limit:
         raise BenchError(f"--config {name}: the bench needs {need['total'] / 1e9:.2f} GB on the device (params "
                          f"{need['params'] / 1e9:.2f} GB, reference experts {need['reference_experts'] / 1e9:.2f} GB, "
-                         f"kernel weights {need['kernel'] / 1e9:.2f} GB, caches {need['caches'] / 1e9:.2f} GB), the "
+                         f"kernel weights {need['kernel'] / 1e9:.2f} GB, peer experts {need.get('peer', 0) / 1e9:.2f} GB, caches {need['caches'] / 1e9:.2f} GB), the "
                          f"device has {limit / 1e9:.2f} GB ({what})")
 
 
@@ -244,8 +297,10 @@ def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str
 def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16", steps: int = 20,
             warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | None = None,
             params: dict | None = None, *, seed: int = 0, ctx: int = 256, progress: bool = True,
-            microbench_csv=None, device_steps: int = 5, mxfp4_unpack: str = "auto") -> list[dict]:
+            microbench_csv=None, device_steps: int = 5, mxfp4_unpack: str = "auto",
+            peer_format: str | None = None) -> list[dict]:
     """Time each impl at each batch on this TPU; returns rows (see `mk.cli.bench` for the fields).
+    peer_format: the peer's expert format (`mk.perf.peer.PEER_FORMATS`; default `default_peer_format`).
 
     device_steps: that many more steps of each case under `jax.profiler`, for the step program's
     device time (`device_median_ms`, next to the wall clock's `median_ms`); 0: none.
@@ -257,11 +312,14 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     from mk.kernel.plan import MAX_ROWS, make_plan
     from mk.model.layout import PlanError
 
-    require_tpu()
     impls = tuple(impls)
     bad = [i for i in impls if i not in IMPLS]
     if bad or not impls:
         raise BenchError(f"--impl: unknown {bad or 'empty list'}; expected some of {', '.join(IMPLS)}")
+    peer_format = peer_format or default_peer_format(experts)
+    if "peer" in impls:
+        require_peer(cfg, peer_format)
+    require_tpu()
     if experts not in ("bf16", "mxfp4"):
         raise BenchError(f"--experts: expected bf16 or mxfp4, found {experts!r}")
     bad = [b for b in batches if not 1 <= b <= MAX_ROWS]
@@ -273,7 +331,8 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     chips = chip_of_device(device.device_kind)
     plan_chip, hw_chip = chips if chips else ("v5e", None)
     name = _config_name(cfg)
-    check_fits(cfg, device_bytes_needed(cfg, experts, impls, batches, ctx, plan_chip), device, hw_chip, name)
+    check_fits(cfg, device_bytes_needed(cfg, experts, impls, batches, ctx, plan_chip, peer_format), device, hw_chip,
+               name)
     bw = bandwidths(hw_chip, microbench_csv)
 
     from mk.perf import baseline
@@ -301,7 +360,8 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
 
     def run_case(impl, B, make_step, on_output=None):
         bar.set_postfix_str(f"B={B} {impl}")
-        row = {"impl": impl, "batch": B, "experts": experts, "median_ms": None, "min_ms": None, "max_ms": None,
+        row = {"impl": impl, "batch": B, "experts": experts, "peer_format": peer_format if impl == "peer" else None,
+               "median_ms": None, "min_ms": None, "max_ms": None,
                "steps": 0, "error": None, "prefetch_depth": plans[B].prefetch_depth if impl == "kernel" else None,
                "mxfp4_unpack": plans[B].mxfp4_unpack if impl == "kernel" and experts == "mxfp4" else None}
         t0 = time.perf_counter()
@@ -353,6 +413,17 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
                 run_case(impl, B, make, on_output)
         del ref_params, fns, compiled
         gc.collect()
+    if "peer" in impls:                          # last: its experts are made once the others' are freed
+        from mk.perf import peer
+        t0 = time.perf_counter()
+        pparams = jax.block_until_ready(peer.peer_params(params, cfg, peer_format, experts))
+        log(f"peer experts ready ({peer_format}, {peer.expert_bytes(cfg, peer_format) / 1e6:.1f} MB each) in "
+            f"{time.perf_counter() - t0:.1f} s")
+        compiled = _compile_lazily({"peer": (peer.make_peer_step(cfg, peer_format), pparams)}, batches, cfg, ctx)
+        for B in batches:
+            run_case("peer", B, lambda f=compiled["peer", B]: functools.partial(_call, f(), pparams))
+        del pparams, compiled
+        gc.collect()
     bar.close()
 
     rows: list[dict] = []
@@ -363,11 +434,36 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
             mean, source = np.full(cfg.n_moe, plans[B].expected_distinct_experts()), "expected (uniform routing)"
         nbytes = step_bytes(cfg, B, experts, [float(x) for x in mean], plans[B])
         for impl in impls:
-            r = finish_row(results[impl, B], nbytes, bw)
+            r = finish_row(results[impl, B], peer_step_bytes(cfg, nbytes, mean, peer_format)
+                           if impl == "peer" else nbytes, bw)
             r["distinct_experts"] = [round(float(x), 3) for x in mean]
             r["distinct_source"] = source
             rows.append(r)
     return add_ratios(rows)
+
+
+def default_peer_format(experts: str) -> str:
+    """The peer's expert format for a comparison: bf16 beside bf16 experts, int4 beside MXFP4."""
+    return "bf16" if experts == "bf16" else "int4"
+
+
+def require_peer(cfg: K3Config, peer_format: str):
+    """Refuse --impl peer, before anything is loaded, where tpu-inference is missing or cannot run cfg."""
+    from mk.perf import peer
+    if peer_format not in peer.PEER_FORMATS:
+        raise BenchError(f"--peer-format: expected one of {', '.join(peer.PEER_FORMATS)}, found {peer_format!r}")
+    if not peer.available():
+        raise BenchError(f"--impl peer needs {peer.PEER_PACKAGE} {peer.PEER_VERSION}, not importable here: "
+                         f"{peer.INSTALL_HINT}")
+    peer.block_sizes(cfg, 1)
+
+
+def peer_step_bytes(cfg: K3Config, nbytes: dict, distinct, peer_format: str) -> dict:
+    """`step_bytes` with the routed experts counted in the peer's format (scales included)."""
+    from mk.perf.peer import expert_bytes
+    out = dict(nbytes, expert_bytes=float(np.sum(distinct)) * expert_bytes(cfg, peer_format))
+    out["hbm_bytes"] = out["weight_bytes"] + out["expert_bytes"] + out["state_bytes"]
+    return out
 
 
 def _call(executable, params, cache, tokens):
@@ -391,15 +487,25 @@ def log(msg: str):
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
-def metadata(cfg: K3Config, experts: str, steps: int, warmup: int, microbench_csv=None) -> dict:
+def metadata(cfg: K3Config, experts: str, steps: int, warmup: int, microbench_csv=None,
+             peer_format: str | None = None) -> dict:
     dev = jax.devices()[0]
     chips = chip_of_device(dev.device_kind)
     bw = bandwidths(chips[1] if chips else None, microbench_csv)
     return {"device_kind": dev.device_kind, "chip": chips[1] if chips else None, "backend": jax.default_backend(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "jax_version": jax.__version__,
             "config": _config_name(cfg), "experts": experts, "steps": steps, "warmup": warmup,
+            "peer_format": peer_format, "peer": _peer_version() if peer_format else None,
             "command": " ".join(["python -m mk"] + sys.argv[1:]) if sys.argv else None,
             "datasheet_hbm_bw": bw["datasheet_bw"], "stream_bw": bw["stream_bw"], "stream_source": bw["stream_source"]}
+
+
+def _peer_version() -> str | None:
+    from importlib import metadata as md
+    try:
+        return f"tpu-inference {md.version('tpu-inference')}"
+    except md.PackageNotFoundError:
+        return None
 
 
 def _config_name(cfg: K3Config) -> str:
@@ -439,3 +545,135 @@ def _kernel_step(plan, params: dict, cache: dict):
     weights = cache["weights"]
     fn = make_decode_step(plan)
     return lambda c, t: fn(weights, c, t)
+
+
+# ---- mk bench --mode generate: the device loop against the device step rate -----------------------
+GENERATE_IMPLS = ("kernel", "xla")
+
+
+def _kernel_loop_step(plan, params: dict, cache: dict):
+    """The kernel's step as an `mk.model.loop.LoopStep` on packed weights shared across batches
+    (`pack_key`, as `_kernel_step`)."""
+    from mk.kernel.step import kernel_weights
+    from mk.kernel.decode import make_decode_step
+    from mk.model.loop import LoopStep
+    key = pack_key(plan)
+    if cache["key"] != key:
+        cache["weights"] = None
+        gc.collect()
+        cache["weights"] = kernel_weights(plan, params)
+        cache["key"] = key
+    return LoopStep(make_decode_step(plan), cache["weights"])
+
+
+def generate_row(step, cfg: K3Config, batch: int, tokens: np.ndarray, steps: int, chunk: int, ctx: int,
+                 device_steps: int, host_steps: int) -> dict:
+    """One case of `measure_generate`: a `LoopStep` timed three ways.
+
+    loop: `mk.model.loop.generate` from a 1-token prompt per row (tokens [B]), greedy, `steps` decode
+    steps in chunks of `chunk` (a first run of one chunk compiles, untimed); loop_tok_s = B x steps /
+    decode_s (first token on the host to the last chunk on the host). device: the step's own device
+    time from a `jax.profiler` trace (`device_step_times`, as `mk bench`); device_tok_s = B / it, the
+    rate the loop would reach with no gap between steps. host: the per-token host loop's wall clock
+    (`time_steps`, each step timed to `block_until_ready`, as `mk bench`)."""
+    from mk.model import loop, reference
+    prompt = np.asarray(tokens, np.int32).reshape(batch, 1)
+    warm = loop.generate(step, cfg, prompt, chunk + 1, ctx=ctx, chunk=chunk)           # compiles
+    res = loop.generate(step, cfg, prompt, steps + 1, ctx=ctx, chunk=chunk)
+    row = {"chunk": chunk, "decode_steps": res["decode_steps"], "decode_s": res["decode_s"],
+           "compile_s": warm["compile_s"], "ttft_s": res["ttft_s"],
+           "loop_step_ms": 1e3 * res["decode_s"] / max(res["decode_steps"], 1),
+           "loop_tok_s": batch * res["decode_steps"] / res["decode_s"]}
+    fn = lambda c, t: step.fn(step.weights, c, t)
+    tok = jnp.asarray(prompt[:, 0])
+    row["device_step_ms"] = None
+    if device_steps:
+        dev = device_step_times(fn, step.place(reference.init_cache(cfg, batch, ctx)), tok, device_steps)
+        row["device_step_ms"] = statistics.median(dev) * 1e3 if dev else None
+    row["device_tok_s"] = batch / (row["device_step_ms"] / 1e3) if row["device_step_ms"] else None
+    row["frac_of_device"] = row["loop_tok_s"] / row["device_tok_s"] if row["device_tok_s"] else None
+    row["host_step_ms"] = None
+    if host_steps:
+        host = time_steps(fn, lambda: step.place(reference.init_cache(cfg, batch, ctx)),
+                          np.tile(prompt[:, 0], (host_steps + 2, 1)), 2, ctx)
+        row["host_step_ms"] = statistics.median(host) * 1e3
+    row["host_tok_s"] = batch / (row["host_step_ms"] / 1e3) if row["host_step_ms"] else None
+    row["loop_speedup"] = row["loop_tok_s"] / row["host_tok_s"] if row["host_tok_s"] else None
+    return row
+
+
+def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16",
+                     impls: Sequence[str] = GENERATE_IMPLS, steps: int = 128, chunk: int = 16, *, seed: int = 0,
+                     ctx: int = 256, device_steps: int = 5, host_steps: int = 20, mxfp4_unpack: str = "auto",
+                     params: dict | None = None) -> list[dict]:
+    """Decode tokens/s of the device loop (`mk.model.loop`) for the kernel and the fair XLA step at
+    each batch, beside the step's device rate and the host loop's; rows as `generate_row` plus impl,
+    batch, experts, error. Off a TPU it refuses, like `measure`."""
+    from mk.kernel.plan import MAX_ROWS, make_plan
+    from mk.model.layout import PlanError
+    from mk.model.loop import LoopStep
+    from mk.model.params import init_fast
+    from mk.perf import baseline
+
+    require_tpu()
+    impls = tuple(impls)
+    bad = [i for i in impls if i not in GENERATE_IMPLS]
+    if bad or not impls:
+        raise BenchError(f"--impl: unknown {bad or 'empty list'} for --mode generate; expected some of "
+                         f"{', '.join(GENERATE_IMPLS)}")
+    if experts not in ("bf16", "mxfp4"):
+        raise BenchError(f"--experts: expected bf16 or mxfp4, found {experts!r}")
+    bad = [b for b in batches if not 1 <= b <= MAX_ROWS]
+    if bad or not batches:
+        raise BenchError(f"--batch: each batch must lie in 1..{MAX_ROWS}, found {list(batches)}")
+    if chunk < 1:
+        raise BenchError(f"--chunk must be at least 1 step, found {chunk}")
+    if not 1 <= steps <= ctx - 2:
+        raise BenchError(f"--steps must lie in 1..{ctx - 2} (the cache holds {ctx} positions), found {steps}")
+    device = jax.devices()[0]
+    chips = chip_of_device(device.device_kind)
+    plan_chip, hw_chip = chips if chips else ("v5e", None)
+    name = _config_name(cfg)
+    check_fits(cfg, device_bytes_needed(cfg, experts, impls, batches, ctx, plan_chip), device, hw_chip, name)
+    t0 = time.perf_counter()
+    params = params if params is not None else jax.block_until_ready(init_fast(cfg, seed, experts))
+    log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
+    rng = np.random.default_rng(seed)
+    tokens = {B: rng.integers(0, cfg.vocab, (B,)).astype(np.int32) for B in batches}
+    plan_kw = {}
+    if mxfp4_unpack != "auto":
+        import dataclasses
+        from mk.kernel.plan import MK
+        plan_kw["options"] = dataclasses.replace(MK, mxfp4_unpack=mxfp4_unpack)
+    rows = []
+
+    def run_case(impl, B, make_step):
+        row = {"impl": impl, "batch": B, "experts": experts, "error": None}
+        t = time.perf_counter()
+        try:
+            row.update(generate_row(make_step(), cfg, B, tokens[B], steps, chunk, ctx, device_steps, host_steps))
+        except Exception as e:                     # a case that does not compile or run: say why, go on
+            msg = str(e).strip().splitlines()
+            row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+        row["wall_s"] = time.perf_counter() - t
+        rows.append(row)
+        log(f"B={B} {impl} loop: " + (f"{row['loop_tok_s']:.1f} tok/s ({row['loop_step_ms']:.3f} ms/step), device "
+                                      f"{row['device_step_ms']} ms/step, host loop {row['host_step_ms']} ms/step, "
+                                      if row["error"] is None else f"{row['error']}, ") + f"{row['wall_s']:.1f} s")
+
+    if "kernel" in impls:
+        try:
+            plans = {B: make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw) for B in batches}
+        except PlanError as e:
+            raise BenchError(f"the kernel's plan (--mxfp4-unpack {mxfp4_unpack}): {e}") from None
+        kernel_cache = {"key": None, "weights": None}
+        for B in batches:
+            run_case("kernel", B, lambda B=B: _kernel_loop_step(plans[B], params, kernel_cache))
+        kernel_cache.clear()
+        gc.collect()
+    if "xla" in impls:
+        xla = LoopStep(baseline.make_baseline_step(cfg, experts, "loop"), params)
+        for B in batches:
+            run_case("xla", B, lambda: xla)
+    order = {i: n for n, i in enumerate(impls)}
+    return sorted(rows, key=lambda r: (r["batch"], order[r["impl"]]))

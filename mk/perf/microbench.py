@@ -24,7 +24,7 @@ launch, the first DMA and the final write-back cancel.
           too large for the registers (vector_bw: bytes read + written).
   dequant the kernel's own product of an 8-row bf16 LHS with an MXFP4 [DEQ_K, DEQ_N] tile in
           VMEM, unpacked in registers straight into the MXU (`mk.kernel.ring.mxfp4_tile_product`),
-          repeated, by each unpack every TPU lowers ('pairs', 'shift'): weights per second. That
+          repeated, by each unpack every TPU lowers (`DEQUANT_UNPACKS`): weights per second. That
           of the chip's own unpack (`mk.kernel.plan.MXFP4_UNPACK`) times its vector ops per weight
           (`mk.kernel.schedule.DEQUANT_OPS`) is `dequant_op_rate`, the rate the simulator charges
           the MXFP4 unpack at (a dependent FMA chain, `vector_flops`, measures the VPU's latency
@@ -58,6 +58,12 @@ DTYPE_ROWS = 32
 MXU_K, MXU_N = 4096, 512                  # 4 MiB of bf16 weights: 32 weight tiles of 256 x 256
 DMA_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 DMA_INFLIGHT = 4
+# The stream: (chunk bytes, copies in flight), each timed over 64 MiB against 1 GiB of copies, a
+# difference of about 1.2 ms at the v5e's rate (the timer's noise is some microseconds). The fastest
+# is `dma_stream_bw`, the bandwidth every "of stream" figure divides by.
+STREAM_POINTS = ((256 << 10, 32), (512 << 10, 8), (512 << 10, 16), (512 << 10, 32), (1 << 20, 8), (1 << 20, 16),
+                 (2 << 20, 8), (4 << 20, 2), (4 << 20, 4), (8 << 20, 4), (16 << 20, 2))
+STREAM_BYTES = (64 << 20, 1 << 30)
 VEC_ROWS, VEC_COLS, FMAS = 64, 1024, 16   # 256 KiB of f32: the vector registers' worth
 BW_ROWS = 2048                            # 8 MiB of f32: streamed through VMEM
 DEQ_K, DEQ_N = 512, 512                   # one expert tile of k3-chip's plan
@@ -205,7 +211,7 @@ def dequant_call(reps: int, interpret=False, unpack: str = "shift"):
         interpret=interpret, name=f"mk_microbench_dequant_{unpack}")
 
 
-DEQUANT_UNPACKS = ("pairs", "shift")      # the unpacks every TPU lowers (`mk.kernel.plan.MXFP4_UNPACK`)
+DEQUANT_UNPACKS = ("pairs", "pairs_mul", "shift")      # the unpacks every TPU lowers (`mk.kernel.plan.MXFP4_UNPACK`)
 
 
 def dequant_args(rng, unpack: str = "shift") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -222,12 +228,12 @@ def dequant_args(rng, unpack: str = "shift") -> tuple[np.ndarray, np.ndarray, np
 def dequant_values(codes_words: np.ndarray, scale_words: np.ndarray, unpack: str = "shift") -> np.ndarray:
     """numpy: the `unpack` layout's words [..., rows, DEQ_N] -> the tiles' values f32 [..., DEQ_K, DEQ_N]
     (code value x 2^(s - 127))."""
-    from mk.kernel.packing import pairs_nibble
+    from mk.kernel.packing import UNPACK_LAYOUT, pairs_nibble
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     c, s = np.asarray(codes_words).view(np.uint32), np.asarray(scale_words).view(np.uint32)
     n = c.shape[-1]
     part = [(c >> np.uint32(4 * j)) & 15 for j in range(8)]                                # [..., DEQ_K / 8, n] each
-    if unpack == "pairs":      # part j + 4h of word w: row j DEQ_K / 4 + 2w + h, re-encoded
+    if UNPACK_LAYOUT[unpack] == "pairs":      # part j + 4h of word w: row j DEQ_K / 4 + 2w + h, re-encoded
         codes = pairs_nibble(np.concatenate([np.stack(part[j::4], axis=-2).reshape(*c.shape[:-2], -1, n)
                                              for j in range(4)], axis=-2))
     else:
@@ -359,6 +365,22 @@ def line_fit(sizes, seconds) -> tuple[float, float]:
     return float(intercept), float(1.0 / slope)
 
 
+def stream_rates(trials: int = 5, progress=None) -> dict:
+    """The HBM -> VMEM stream alone, timed on this TPU: {"CHUNKxINFLIGHT": {"chunk_bytes", "inflight",
+    "s_per_copy", "stream_bw"}} for each of STREAM_POINTS (copies of STREAM_BYTES[0] against [1])."""
+    step = progress or (lambda what: None)
+    out = {}
+    src = jnp.zeros((STREAM_BYTES[1] // 512, 128), jnp.float32)       # 1 GiB, viewed as chunks below
+    for chunk, inflight in STREAM_POINTS:
+        step(f"stream {chunk >> 20} MiB x{inflight}")
+        n1, n2 = (b // chunk for b in STREAM_BYTES)
+        chunks = src.reshape(n2, chunk // 512, 128)
+        t = per_repeat(lambda c, chunk=chunk, inflight=inflight: dma_call(chunk, c, inflight), (chunks,), n1, n2, trials)
+        out[f"{chunk >> 20}MiBx{inflight}"] = {"chunk_bytes": chunk, "inflight": inflight, "s_per_copy": t,
+                                               "stream_bw": chunk / t if t > 0 else None}
+    return out
+
+
 def dequant_rates(rng, trials: int = 5, progress=None) -> dict:
     """The dequant family alone, timed on this TPU: {unpack: {s_per_tile, weights_per_s,
     ops_per_weight}} for each of DEQUANT_UNPACKS (`measure` runs it beside the other families)."""
@@ -407,8 +429,10 @@ def measure(trials: int = 5, progress=None) -> dict:
         tq = per_repeat(lambda c: dma_call(nbytes, c, DMA_INFLIGHT), (src,), *reps, trials)
         single.append(t1)
         out["dma"][nbytes] = {"s_one_at_a_time": t1, f"s_{DMA_INFLIGHT}_inflight": tq, "stream_bw": nbytes / tq}
+        del src
     latency, _ = line_fit(DMA_SIZES, single)
     out["latency_intercept"] = latency
+    out["stream"] = stream_rates(trials, step)
     step("vector")
     a = jnp.asarray(1 + 0.01 * rng.standard_normal((VEC_ROWS, VEC_COLS)), jnp.float32)
     t_fma = per_repeat(lambda r: vector_call("fma", r), (a,), *TIMED_REPS["vector"], trials)
@@ -422,7 +446,7 @@ def measure(trials: int = 5, progress=None) -> dict:
     out["constants"] = {
         "mxu_push_rows": out["mxu"][MXU_ROWS[0]]["push_rows"],
         "dma_descriptor_latency": max(latency, 0.0),
-        "dma_stream_bw": max(v["stream_bw"] for v in out["dma"].values()),
+        "dma_stream_bw": max(v["stream_bw"] for v in out["stream"].values()),
         "vector_flops": 2 * FMAS * VEC_ROWS * VEC_COLS / t_fma,
         "vector_bw": 2 * BW_ROWS * VEC_COLS * 4 / t_pass,
         "mxu_bf16xfp8_vs_bf16": out["mxu_dtypes"]["bf16xfp8"]["vs_bf16"],
@@ -440,7 +464,8 @@ CONSTANTS = {
                                f"(2 K N)"),
     "dma_descriptor_latency": ("s", "intercept of the least-squares line through HBM -> VMEM copies of "
                                     "64 KiB .. 4 MiB, one at a time"),
-    "dma_stream_bw": ("bytes/s", f"HBM -> VMEM copies of 64 KiB .. 4 MiB, {DMA_INFLIGHT} in flight: the fastest"),
+    "dma_stream_bw": ("bytes/s", f"HBM -> VMEM copies of 256 KiB .. 16 MiB chunks, 2 .. 32 in flight, "
+                                 f"{STREAM_BYTES[0] >> 20} MiB against {STREAM_BYTES[1] >> 20} MiB of them: the fastest"),
     "vector_flops": ("flop/s", f"{FMAS} dependent f32 multiply-adds per element of a [{VEC_ROWS}, {VEC_COLS}] "
                                f"block, 2 flops each"),
     "vector_bw": ("bytes/s", f"load-multiply-store passes over a [{BW_ROWS}, {VEC_COLS}] f32 VMEM block"),
@@ -463,13 +488,19 @@ def implausible_by_constant(res: dict) -> dict[str, list[str]]:
     dma += [f"dma {n >> 10} KiB: {DMA_INFLIGHT} copies in flight take {r[f's_{DMA_INFLIGHT}_inflight'] * 1e6:.3g} us "
             f"each, one at a time {r['s_one_at_a_time'] * 1e6:.3g} us" for n, r in res["dma"].items()
             if r[f"s_{DMA_INFLIGHT}_inflight"] > r["s_one_at_a_time"] > 0]
+    if dma:
+        why["dma_descriptor_latency"] = dma
     from mk.perf.hardware import load_chips
     hbm = load_chips()[res["chip"]].hbm_bw
+    stream = [f"stream {name}: {r['s_per_copy']:.3g} s per copy <= 0" for name, r in res.get("stream", {}).items()
+              if not r["s_per_copy"] > 0]
+    if "stream" not in res:
+        stream.append("no stream sweep (a run from before STREAM_POINTS: its stream was the 4 MiB copies' best)")
     bw = res["constants"]["dma_stream_bw"]
     if not bw <= 1.05 * hbm:
-        dma.append(f"dma_stream_bw {bw:.3g} B/s above the datasheet HBM bandwidth {hbm:.3g}")
-    if dma:
-        why["dma_stream_bw"], why["dma_descriptor_latency"] = dma, list(dma)
+        stream.append(f"dma_stream_bw {bw:.3g} B/s above the datasheet HBM bandwidth {hbm:.3g}")
+    if stream:
+        why["dma_stream_bw"] = stream
     if res.get("latency_intercept", 0.0) < 0:
         why.setdefault("dma_descriptor_latency", []).append(
             f"dma_descriptor_latency intercept {res['latency_intercept']:.3g} s < 0")
