@@ -121,12 +121,12 @@ def dequantize_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, j
     each (values as `dequantize`): x @ W = x[:, 0::2] @ even + x[:, 1::2] @ odd. Nothing is
     interleaved: `dequantize`'s nibble interleave and group broadcast along the minor axis compile
     on a TPU to int32 / fp32 copies of the whole matrix; here the bytes are transposed first
-    (N on lanes) and the groups broadcast along the second-minor axis."""
-    p = jnp.swapaxes(packed, -1, -2).astype(jnp.int32)                                # [..., K/2, N]
-    step = scale_step(jnp.swapaxes(scale, -1, -2))                                    # [..., K/32, N]
-    *lead, groups, N = step.shape
-    step = jnp.broadcast_to(step[..., None, :], (*lead, groups, MX_GROUP // 2, N)).reshape(p.shape)
-    return bf(e2m1(p & 15) * step), bf(e2m1(p >> 4) * step)
+    (N on lanes), each scale multiplies its [16, N] block, and only major axes are merged."""
+    step = scale_step(jnp.swapaxes(scale, -1, -2))[..., None, :]                      # [..., K/32, 1, N]
+    *lead, groups, _, N = step.shape
+    p = jnp.swapaxes(packed, -1, -2).astype(jnp.int32).reshape(*lead, groups, MX_GROUP // 2, N)
+    half = lambda codes: bf(e2m1(codes) * step).reshape(*lead, groups * MX_GROUP // 2, N)
+    return half(p & 15), half(p >> 4)
 
 
 def expert_matrix(w, i: int, e, experts: str) -> tuple[jax.Array, tuple]:
