@@ -116,17 +116,17 @@ def scale_step(scale: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(scale.astype(jnp.int32) << 23, F32)
 
 
-def dequantize_kn(packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """MXFP4 bytes -> bf16 [..., K, N] (contraction rows first, the ragged_dot / matmul layout),
-    the values of `dequantize` transposed. `dequantize`'s nibble interleave and group broadcast run
-    along the minor axis, which a TPU compiles to int32 / fp32 copies of the whole matrix; here the
-    bytes are transposed first (N on lanes), the two nibbles of a byte stacked on a major axis
-    (K = (group, byte, nibble)) and each scale multiplies its [32, N] block: only major axes merge."""
-    step = scale_step(jnp.swapaxes(scale, -1, -2))[..., None, None, :]                # [..., K/32, 1, 1, N]
-    *lead, groups, _, _, N = step.shape
+def dequantize_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MXFP4 bytes -> the bf16 weights of the even and of the odd contraction rows, [..., K/2, N]
+    each (values as `dequantize`): x @ W = x[:, 0::2] @ even + x[:, 1::2] @ odd. Nothing is
+    interleaved: `dequantize`'s nibble interleave and group broadcast along the minor axis compile
+    on a TPU to int32 / fp32 copies of the whole matrix; here the bytes are transposed first
+    (N on lanes), each scale multiplies its [16, N] block, and only major axes are merged."""
+    step = scale_step(jnp.swapaxes(scale, -1, -2))[..., None, :]                      # [..., K/32, 1, N]
+    *lead, groups, _, N = step.shape
     p = jnp.swapaxes(packed, -1, -2).astype(jnp.int32).reshape(*lead, groups, MX_GROUP // 2, N)
-    codes = jnp.stack([p & 15, p >> 4], axis=-2)                                      # [..., K/32, 16, 2, N]
-    return bf(e2m1(codes) * step).reshape(*lead, groups * MX_GROUP, N)
+    half = lambda codes: bf(e2m1(codes) * step).reshape(*lead, groups * MX_GROUP // 2, N)
+    return half(p & 15), half(p >> 4)
 
 
 def expert_matrix(w, i: int, e, experts: str) -> tuple[jax.Array, tuple]:
@@ -234,7 +234,8 @@ def routed_loop(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts: s
 
 def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts: str, one_layer: bool = False):
     """Same sum with rows sorted by expert and `jax.lax.ragged_dot` over all E experts.
-    one_layer: MXFP4 experts of layer i only are dequantized (`dequantize_kn`); the default
+    one_layer: MXFP4 experts of layer i only are dequantized, as even and odd contraction rows
+    (`dequantize_halves`, two products summed: another fp32 summation order); the default
     dequantizes every layer's whole (8.9 GB of temporaries and 79 GB of traffic in a deviceless
     v5e compile of k3-chip's 1024-token prefill): the parallel prefill's choice, `mk.model.prefill`."""
     B, k = ids.shape
@@ -245,9 +246,11 @@ def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts:
     # `w[n][i]` would be copied by XLA every step (module doc)
     E, n_moe = cfg.experts, cfg.n_moe
     counts = jnp.bincount(flat, length=E)
-    if one_layer and experts == "mxfp4":                   # layer i's experts only, [E, K, N]
-        rd = lambda x, n: jax.lax.ragged_dot(x, dequantize_kn(w[n]["packed"][i], w[n]["scale"][i]), counts,
-                                             preferred_element_type=F32)
+    if one_layer and experts == "mxfp4":                   # layer i's experts, even and odd K rows
+        def rd(x, n):
+            even, odd = dequantize_halves(w[n]["packed"][i], w[n]["scale"][i])      # [E, K/2, N]
+            dot_ = lambda x, h: jax.lax.ragged_dot(x, h, counts, preferred_element_type=F32)
+            return dot_(x[:, 0::2], even) + dot_(x[:, 1::2], odd)
     else:
         sizes = jnp.zeros((n_moe * E,), jnp.int32).at[i * E:(i + 1) * E].set(counts)
         merge = lambda x: x.reshape(n_moe * E, *x.shape[2:])
