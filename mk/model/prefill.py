@@ -45,7 +45,7 @@ from mk.model.layers.attn_res import mix
 from mk.model.layers.common import F32, bf, f32, rms, sigmoid
 from mk.model.layers.kda import decay, l2_normalize, output_gate, short_conv
 from mk.model.layers.mla import project_qkv
-from mk.perf.baseline import EXPERT_FORMATS, dense_layer, dot, moe_layer
+from mk.perf.baseline import EXPERT_FORMATS, dense_layer, dot, moe_layer, routed_ragged
 
 DEFAULT_CHUNK = 1024
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -195,6 +195,9 @@ def prefill_chunk(params: dict, cache: dict, tokens, count, *, cfg: K3Config, ex
     kda_state, conv_state = cache["kda_state"], cache["conv_state"]
     mla_k, mla_v = cache["mla_k"], cache["mla_v"]
     rows = lambda z: z.reshape(B, T, -1)
+    # the routed experts sorted by expert through ragged_dot, MXFP4 dequantized layer by layer
+    routed = lambda latent, ids, weights, params, i: routed_ragged(latent, ids, weights, params["moe"], i, cfg,
+                                                                  experts, one_layer=True)
     p = params["embed"][jnp.where(valid, tokens, 0).reshape(B * T)]            # [B*T, d] bf16
     blocks = []
     take = lambda tree, i: {n: x[i] for n, x in tree.items()}
@@ -217,7 +220,7 @@ def prefill_chunk(params: dict, cache: dict, tokens, count, *, cfg: K3Config, ex
             x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps, cfg.n_blocks)
             m = rms(x, lw["ffn_norm"], cfg.eps)
             z = dense_layer(m, params["dense"], cfg) if l == 0 else \
-                moe_layer(m, params, l - 1, cfg, experts, "ragged")[0]
+                moe_layer(m, params, l - 1, cfg, experts, "ragged", routed=routed)[0]
             p = bf(p + z)
     with jax.named_scope("head"):
         h = mix(p, blocks, params["output_res"], cfg.eps)

@@ -96,14 +96,37 @@ def dequantize(packed: jax.Array, scale: jax.Array) -> jax.Array:
     (2 + m) << (e - 1)."""
     p = packed.astype(jnp.int32)
     codes = jnp.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)       # [..., N, K]
-    e, m = (codes >> 1) & 3, codes & 1
-    halves = jnp.where(e == 0, m, (2 + m) << jnp.maximum(e - 1, 0)).astype(F32)
-    value = jnp.where(codes >= 8, -halves, halves) * 0.5                             # code 8 = -0.0
-    step = jax.lax.bitcast_convert_type(scale.astype(jnp.int32) << 23, F32)          # 2^(s - 127)
+    value = e2m1(codes)
+    step = scale_step(scale)
     lead = codes.shape[:-1]
     k = codes.shape[-1]
     out = value.reshape(*lead, k // MX_GROUP, MX_GROUP) * step[..., None]
     return bf(out.reshape(*lead, k))
+
+
+def e2m1(codes: jax.Array) -> jax.Array:
+    """E2M1 codes (int32 0..15) -> their fp32 values (`dequantize`)."""
+    e, m = (codes >> 1) & 3, codes & 1
+    halves = jnp.where(e == 0, m, (2 + m) << jnp.maximum(e - 1, 0)).astype(F32)
+    return jnp.where(codes >= 8, -halves, halves) * 0.5                              # code 8 = -0.0
+
+
+def scale_step(scale: jax.Array) -> jax.Array:
+    """E8M0 scale bytes -> 2^(s - 127), fp32."""
+    return jax.lax.bitcast_convert_type(scale.astype(jnp.int32) << 23, F32)
+
+
+def dequantize_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MXFP4 bytes -> the bf16 weights of the even and of the odd contraction rows, [..., K/2, N]
+    each (values as `dequantize`): x @ W = x[:, 0::2] @ even + x[:, 1::2] @ odd. Nothing is
+    interleaved: `dequantize`'s nibble interleave and group broadcast along the minor axis compile
+    on a TPU to int32 / fp32 copies of the whole matrix; here the bytes are transposed first
+    (N on lanes), each scale multiplies its [16, N] block, and only major axes are merged."""
+    step = scale_step(jnp.swapaxes(scale, -1, -2))[..., None, :]                      # [..., K/32, 1, N]
+    *lead, groups, _, N = step.shape
+    p = jnp.swapaxes(packed, -1, -2).astype(jnp.int32).reshape(*lead, groups, MX_GROUP // 2, N)
+    half = lambda codes: bf(e2m1(codes) * step).reshape(*lead, groups * MX_GROUP // 2, N)
+    return half(p & 15), half(p >> 4)
 
 
 def expert_matrix(w, i: int, e, experts: str) -> tuple[jax.Array, tuple]:
@@ -209,8 +232,12 @@ def routed_loop(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts: s
     return jax.lax.fori_loop(0, n, body, acc)
 
 
-def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts: str):
-    """Same sum with rows sorted by expert and `jax.lax.ragged_dot` over all E experts."""
+def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts: str, one_layer: bool = False):
+    """Same sum with rows sorted by expert and `jax.lax.ragged_dot` over all E experts.
+    one_layer: MXFP4 experts of layer i only are dequantized, as even and odd contraction rows
+    (`dequantize_halves`, two products summed: another fp32 summation order); the default
+    dequantizes every layer's whole (8.9 GB of temporaries and 79 GB of traffic in a deviceless
+    v5e compile of k3-chip's 1024-token prefill): the parallel prefill's choice, `mk.model.prefill`."""
     B, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -218,11 +245,18 @@ def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts:
     # groups of every layer's experts, this layer's the only non-empty ones: a static layer slice
     # `w[n][i]` would be copied by XLA every step (module doc)
     E, n_moe = cfg.experts, cfg.n_moe
-    sizes = jnp.zeros((n_moe * E,), jnp.int32).at[i * E:(i + 1) * E].set(jnp.bincount(flat, length=E))
-    merge = lambda x: x.reshape(n_moe * E, *x.shape[2:])
-    fam = lambda n: (jnp.swapaxes(dequantize(merge(w[n]["packed"]), merge(w[n]["scale"])), -1, -2)
-                     if experts == "mxfp4" else merge(w[n]))                          # [n_moe * E, K, N]
-    rd = lambda x, n: jax.lax.ragged_dot(x, fam(n), sizes, preferred_element_type=F32)
+    counts = jnp.bincount(flat, length=E)
+    if one_layer and experts == "mxfp4":                   # layer i's experts, even and odd K rows
+        def rd(x, n):
+            even, odd = dequantize_halves(w[n]["packed"][i], w[n]["scale"][i])      # [E, K/2, N]
+            dot_ = lambda x, h: jax.lax.ragged_dot(x, h, counts, preferred_element_type=F32)
+            return dot_(x[:, 0::2], even) + dot_(x[:, 1::2], odd)
+    else:
+        sizes = jnp.zeros((n_moe * E,), jnp.int32).at[i * E:(i + 1) * E].set(counts)
+        merge = lambda x: x.reshape(n_moe * E, *x.shape[2:])
+        fam = lambda n: (jnp.swapaxes(dequantize(merge(w[n]["packed"]), merge(w[n]["scale"])), -1, -2)
+                         if experts == "mxfp4" else merge(w[n]))                      # [n_moe * E, K, N]
+        rd = lambda x, n: jax.lax.ragged_dot(x, fam(n), sizes, preferred_element_type=F32)
     h = situ(bf(rd(x, "w1")), bf(rd(x, "w3")), cfg.situ_beta, cfg.situ_linear_beta)
     out = bf(rd(h, "w2"))
     out = jnp.zeros_like(out).at[order].set(out).reshape(B, k, -1)                   # back to (row, slot)

@@ -17,11 +17,13 @@ to 128 slots per call): "parallel" (`mk.model.prefill.prefill`, one compiled chu
 chunk) and, for T in `token_lengths`, "token_by_token": the fair XLA decode step
 (`mk.perf.baseline.step`, the same experts format) scanned over the prompt in one program, as
 `mk.model.reference.prefill` scans the reference's step (the fair step is the faster of the two).
-Each is run once untimed (compile), then `reps` times to `jax.block_until_ready`, wall clock.
+Each is run once untimed (compile), then `reps` times to `jax.block_until_ready`, wall clock. Each
+row is also logged as JSON as soon as it is measured (a run stopped later keeps it).
 """
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
 import time
@@ -135,7 +137,7 @@ def prefill_bench(cfg: K3Config, lengths: Sequence[int] = (128, 1024, 4096), exp
             row["x_roofline"] = row["median_ms"] / row["roofline_ms"] if peak else None
             row["frac_roofline"] = 1.0 / row["x_roofline"] if peak else None
             log(f"prefill bench: {impl} T={T} {experts}: {row['median_ms']:.1f} ms "
-                f"({row['x_roofline'] or float('nan'):.2f}x roofline), first call {first:.1f} s")
+                f"({row['x_roofline'] or float('nan'):.2f}x roofline), first call {first:.1f} s; {json.dumps(row)}")
             rows.append(row)
         by_impl = {r["impl"]: r for r in rows if r["tokens"] == T}
         if "token_by_token" in by_impl:
