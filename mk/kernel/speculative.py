@@ -372,7 +372,7 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     `generate`. Returns tokens [B, max emitted] (pad -1), lengths, acceptance means and timings as
     `generate` (acceptance: mean length per row), plus chunk, chunks."""
     import functools
-    from mk.model.loop import PAD
+    from mk.model.loop import PAD, drive
     prompt = np.asarray(prompt, np.int32)
     if prompt.ndim == 1:
         prompt = prompt[None]
@@ -404,20 +404,9 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
              "count": jnp.ones((B,), jnp.int32), "max_new": jnp.asarray(max_new_tokens, jnp.int32),
              "steps": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((B,), jnp.int32),
              "row_steps": jnp.zeros((B,), jnp.int32)}
-    pieces, chunks = [head], 0
-    pending = None if done.all() else fn(weights, drafter.params, cache, dcache, state)
-    while pending is not None:
-        cache, dcache, state, toks, done_dev = pending
-        chunks += 1
-        pending = fn(weights, drafter.params, cache, dcache, state)     # out before this chunk is read
-        toks, done = np.asarray(toks), np.asarray(done_dev)
-        pieces.append(toks)
-        if on_tokens is not None:
-            on_tokens(toks)
-        if done.all():
-            break
-    if pending is not None:
-        jax.block_until_ready(pending[3])
+    pieces = [head]
+    (cache, dcache, state), chunks = drive(lambda c, d, s: fn(weights, drafter.params, c, d, s), (cache, dcache, state),
+                                           done.all(), pieces, on_tokens)
     t2 = time.perf_counter()
     rows = [[int(t) for t in np.concatenate([p[b] for p in pieces]) if t != PAD] for b in range(B)]
     lengths = np.asarray([len(r) for r in rows], np.int32)

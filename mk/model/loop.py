@@ -139,6 +139,27 @@ def decode_chunk(fn: Callable, weights, cache: dict, state: dict, *, n: int, sam
     return cache, state, out, state["done"]
 
 
+def drive(dispatch: Callable, carry: tuple, done: bool, pieces: list, on_tokens=None) -> tuple[tuple, int]:
+    """The host's side of a device loop: dispatch(*carry) -> (*carry, tokens [B, n], done [B]) runs one
+    chunk; the next chunk goes out before this one's tokens are read, so the device never waits for
+    the host. Appends each chunk's tokens to `pieces` (and hands them to on_tokens) until every row
+    is done. Returns (the last chunk's carry, chunks read); done: every row was done before the first."""
+    chunks, pending = 0, None if done else dispatch(*carry)
+    while pending is not None:
+        carry, (toks, done_dev) = pending[:-2], pending[-2:]
+        chunks += 1
+        pending = dispatch(*carry)                # out before this chunk is read
+        toks = np.asarray(toks)
+        pieces.append(toks)
+        if on_tokens is not None:
+            on_tokens(toks)
+        if np.asarray(done_dev).all():
+            break
+    if pending is not None:
+        jax.block_until_ready(pending[-2])        # the last dispatch (no steps: every row was done)
+    return tuple(carry), chunks
+
+
 def make_chunk(step: LoopStep, n: int, sampling: Sampling):
     """chunk(weights, cache, state) -> (cache, state, tokens [B, n], done [B]), jitted, the cache donated
     (one per step function, chunk size and sampling: compiled programs are reused)."""
@@ -268,22 +289,9 @@ def generate(step: LoopStep, cfg: K3Config, prompt, max_new_tokens: int, *, samp
     if on_tokens is not None:
         on_tokens(head)
     done = np.asarray(state["done"])
-    chunks = 0
-    pending = None if done.all() else chunk_fn(step.weights, cache, state)
-    while pending is not None:
-        cache, state, toks, done_dev = pending
-        chunks += 1
-        # the next chunk goes out before this one is read: the device never waits for the host
-        pending = chunk_fn(step.weights, cache, state)
-        toks, done = np.asarray(toks), np.asarray(done_dev)
-        pieces.append(toks)
-        if on_tokens is not None:
-            on_tokens(toks)
-        if done.all():
-            break
+    (cache, state), chunks = drive(lambda cache, state: chunk_fn(step.weights, cache, state), (cache, state),
+                                   done.all(), pieces, on_tokens)
     steps = int(np.asarray(state["steps"]))
-    if pending is not None:
-        jax.block_until_ready(pending[2])         # the last dispatch (no steps: every row was done)
     t2 = time.perf_counter()
     allt = np.concatenate(pieces, axis=1)
     lengths = (allt != sampling.pad).sum(axis=1)
