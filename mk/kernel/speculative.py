@@ -199,12 +199,8 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     reference's verify step and its cache is handed to the verifier (`verifier.adopt`), so a
     kernel in interpret mode spends its time on the generated tokens only.
     """
-    prompt = np.asarray(prompt, np.int32)
-    if prompt.ndim == 1:
-        prompt = prompt[None]
+    prompt = _prompt_rows(prompt)
     B, T0 = prompt.shape
-    if T0 == 0:
-        raise SpeculativeError("the prompt must hold at least one token")
     check_k(k, B)
     if fixed_acceptance is not None and not 1 <= fixed_acceptance <= k + 1:
         raise SpeculativeError(f"--fixed-acceptance-length must lie in 1..{k + 1} (1 + --speculative), "
@@ -373,12 +369,8 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     `generate` (acceptance: mean length per row), plus chunk, chunks."""
     import functools
     from mk.model.loop import PAD, drive
-    prompt = np.asarray(prompt, np.int32)
-    if prompt.ndim == 1:
-        prompt = prompt[None]
+    prompt = _prompt_rows(prompt)
     B, T0 = prompt.shape
-    if T0 == 0:
-        raise SpeculativeError("the prompt must hold at least one token")
     if chunk < 1:
         raise SpeculativeError(f"--chunk must be at least 1 step, found {chunk}")
     check_k(k, B)
@@ -422,6 +414,15 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
             "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
             "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx, "chunk": chunk, "chunks": chunks}
 
+
+
+def _prompt_rows(prompt) -> np.ndarray:
+    """prompt [T] or [B, T] token ids -> [B, T] int32; refuses an empty prompt."""
+    prompt = np.asarray(prompt, np.int32)
+    prompt = prompt[None] if prompt.ndim == 1 else prompt
+    if prompt.shape[1] == 0:
+        raise SpeculativeError("the prompt must hold at least one token")
+    return prompt
 
 def _first_token(logits, temperature, top_p, seed, row, position) -> int:
     """The token after the prompt: greedy, or drawn from p' with this row/position's uniform."""
