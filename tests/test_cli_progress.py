@@ -84,7 +84,7 @@ def test_generate_kernel_backend_keeps_stdout_clean(monkeypatch, capsys, tmp_pat
     monkeypatch.setitem(sys.modules, "mk.kernel.step", types.SimpleNamespace(make_step_fn=make_step_fn))
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     argv = ["generate", "--config", str(tmp_path), "--ctx", "128", "--prompt-tokens", "1,2", "--max-new-tokens", "3",
-            "--backend", "kernel"]
+            "--backend", "kernel", "--loop", "host"]         # the host loop calls the step once per token
     code = main(argv + (["--json"] if json_flag else []))
     out, err = capsys.readouterr()
     assert code == 0, err

@@ -87,17 +87,11 @@ def test_bad_runs_are_one_line(params, kw, message):
 
 
 def test_parallel_prefill(params, host_greedy):
-    """--prefill parallel (mk.model.prefill: not bit-exact with the token-by-token prefill, close
-    enough here that greedy picks the same tokens), compiled ahead of the clock like the sequential one."""
-    res = device(params, 6, 4, prefill="parallel")
+    """The parallel prefill (mk.perf.prefill, handed in: not bit-exact with the token-by-token prefill,
+    close enough here that greedy picks the same tokens), compiled ahead of the clock like the sequential one."""
+    from mk.perf import prefill
+    res = device(params, 6, 4, prefill=prefill)
     assert res["tokens"].tolist() == host_greedy[:, :6].tolist()
-
-
-def test_parallel_prefill_refused_without_its_module(params, monkeypatch):
-    import sys
-    monkeypatch.setitem(sys.modules, "mk.model.prefill", None)
-    with pytest.raises(loop.LoopError, match="--prefill parallel needs mk.model.prefill"):
-        loop.make_prefill("parallel", loop.reference_step(params, TINY), params, TINY)
 
 
 @pytest.fixture(scope="module")

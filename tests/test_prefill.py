@@ -1,4 +1,4 @@
-"""The parallel prefill (`mk.model.prefill`) against the token-by-token decode steps, on `mini`.
+"""The parallel prefill (`mk.perf.prefill`) against the token-by-token decode steps, on `mini`.
 
 Tolerance, and why it is not bit-exact: the prefill sums in other orders than the decode step (the
 chunked delta rule's matrix products instead of one rank-1 update per token, one dot over all of K
@@ -28,7 +28,7 @@ from mk.model import reference as ref
 from mk.model.config import get_config
 from mk.model.layers.kda import delta_rule_head, l2_normalize
 from mk.model.params import init
-from mk.model.prefill import PrefillError, chunked_delta_rule, kda_chunk, prefill
+from mk.perf.prefill import PrefillError, chunked_delta_rule, kda_chunk, prefill
 from mk.perf.baseline import make_baseline_step
 
 CTX = 256
@@ -173,7 +173,7 @@ def test_bad_input_is_one_line(kw, match):
 def test_prefill_flops():
     """Linear in B and in T for the weights, quadratic in T for attention; the routed experts
     count top_k of E; k3-chip at 1024 tokens: 4.6 TFLOP (23 ms at the v5e's 197 TFLOP/s)."""
-    from mk.perf.prefill import prefill_flops
+    from mk.perf.prefill_bench import prefill_flops
     cfg = get_config("mini")
     one, two = prefill_flops(cfg, 16, 1), prefill_flops(cfg, 16, 2)
     assert two["total"] == pytest.approx(2 * one["total"])
@@ -189,7 +189,7 @@ def test_prefill_flops():
 def test_prefill_bench_refuses_off_tpu():
     """Timing is for the chip only (CPU or interpret mode is no speed claim): one line, before any work."""
     from mk.errors import UserError
-    from mk.perf.prefill import prefill_bench
+    from mk.perf.prefill_bench import prefill_bench
     if jax.default_backend() == "tpu":
         pytest.skip("on a TPU the bench runs")
     with pytest.raises(UserError, match="on a TPU") as e:

@@ -1,4 +1,4 @@
-"""Parallel prefill vs token-by-token on this TPU (`mk.perf.prefill.prefill_bench`), as JSON on stdout:
+"""Parallel prefill vs token-by-token on this TPU (`mk.perf.prefill_bench.prefill_bench`), as JSON on stdout:
 {"metadata": {...}, "rows": [...]}; one `prefill bench:` line per case on stderr.
 
     python3 docs/tpu-v5e/prefill_bench.py --config k3-chip --experts bf16 --lengths 128,1024,4096 \
@@ -24,13 +24,13 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="128,1024,4096", help="prompt lengths timed in parallel")
     p.add_argument("--token-lengths", default="128,1024", help="prompt lengths also timed token by token")
     p.add_argument("--reps", type=int, default=3, help="timed calls per case, after one untimed")
-    p.add_argument("--chunk", type=int, default=None, help="prompt tokens per program (default mk.model.prefill's)")
+    p.add_argument("--chunk", type=int, default=None, help="prompt tokens per program (default mk.perf.prefill's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
         import jax
         from mk.model.config import get_config
-        from mk.perf.prefill import prefill_bench
+        from mk.perf.prefill_bench import prefill_bench
         cfg = get_config(args.config)
         lengths = int_list(args.lengths, "--lengths")
         token_lengths = int_list(args.token_lengths, "--token-lengths") if args.token_lengths else []

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Parallel prefill (mk.model.prefill) vs token-by-token on the TPU v5e, k3-chip, batch 1: prompts of
+# Parallel prefill (mk.perf.prefill) vs token-by-token on the TPU v5e, k3-chip, batch 1: prompts of
 # 1024 (the goal: <= 3x the MXU roofline, >= 50x token by token), 128 and 4096 tokens in parallel, 1024
 # and 128 token by token (the fair XLA step scanned),
 # bf16 then MXFP4 experts, 2 timed calls each after one untimed (under 6 min: 2 x 175 s at most;

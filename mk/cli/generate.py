@@ -14,7 +14,7 @@ programs, before the clock starts), ttft_s (time to first token on the host), pr
 prefill_tokens_per_s, decode_s, tokens_per_s (decode tokens/s: tokens after each row's first /
 decode_s), chunk, chunks, decode_steps, backend, config, and the sampling settings. `--prefill
 sequential` (default) runs the prompt through the decode step token by token (no host sync); `parallel` calls
-`mk.model.prefill` (all positions at once). `--loop host` is the per-token host loop
+`mk.perf.prefill` (all positions at once). `--loop host` is the per-token host loop
 (`mk.model.reference.generate`: prefill_s there includes compiling the step); multi-process runs
 and `--speculative` use it by default. `--speculative K --loop device` drafts, verifies, accepts
 and rolls back on the device (`mk.kernel.speculative.device_generate`; not with
@@ -260,7 +260,7 @@ def _run_device_loop(args, cfg, params, step_fn, prompt, tokenizer, stop_ids, ct
         stream = _Stream(tokenizer) if args.batch == 1 and not args.json and is_main_process() else None
         res = loop.generate(step, cfg, np.tile(np.asarray(prompt, np.int32), (args.batch, 1)), args.max_new_tokens,
                             sampling=loop.Sampling(args.temperature, args.top_p, stop_ids), seed=args.seed, ctx=ctx,
-                            chunk=args.chunk, prefill=args.prefill, params=params, on_tokens=stream)
+                            chunk=args.chunk, prefill=_prefill(args.prefill), params=params, on_tokens=stream)
     except loop.LoopError as e:
         raise GenerateError(str(e)) from None
     if stream is not None:
@@ -346,6 +346,14 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}, printed=stream is not None)
 
 
+
+def _prefill(mode: str):
+    """The device loop's prefill: "sequential", or the parallel prefill's module (`mk.perf.prefill`)."""
+    if mode == "parallel":
+        from mk.perf import prefill
+        return prefill
+    return mode
+
 def add_parser(subparsers):
     p = subparsers.add_parser("generate", help="generate tokens (random weights or a checkpoint)",
                               description=__doc__.splitlines()[0])
@@ -379,7 +387,7 @@ def add_parser(subparsers):
                         "--speculative K --loop device verifies on the device)")
     p.add_argument("--prefill", choices=PREFILL_MODES, default="sequential",
                    help="sequential: the prompt through the decode step, token by token, without a host sync "
-                        "(default); parallel: mk.model.prefill, all positions at once")
+                        "(default); parallel: mk.perf.prefill, all positions at once")
     add_step_options(p)
     from mk.cli.distributed import add_distributed_args
     add_distributed_args(p, mesh=False)

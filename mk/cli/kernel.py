@@ -158,9 +158,10 @@ def run_check(args) -> int:
         key = {"config": args.config, "experts": res.get("experts"), "batch": args.batch, "mesh": args.mesh or 1}
         if args.fault:
             key["fault"] = args.fault
-        summary = (f"{res['verdict']}; max logit error kernel {res['max_abs_logit_err']:.4g}"
-                   + (f" / XLA {res['xla_max_abs_logit_err']:.4g}" if res.get("xla_max_abs_logit_err") is not None
-                      else "") + f" over {args.steps} steps ({res.get('mode', '')})")
+        err = lambda k: "-" if res.get(k) is None else format(res[k], ".4g")
+        summary = (f"{res['verdict']}; max logit error kernel {err('max_abs_logit_err')}"
+                   + (f" / XLA {err('xla_max_abs_logit_err')}" if "xla_max_abs_logit_err" in res else "")
+                   + f" over {args.steps} steps ({res.get('mode', '')})")
         rec = {"record": provenance("check", key, summary)}
         print(json.dumps(_finite(rec | res), indent=1, allow_nan=False))
     else:

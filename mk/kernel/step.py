@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk.model.config import K3Config
+from mk.model.params import experts_format
 from mk.kernel.decode import commit, default_mesh, make_decode_step, make_verify_step, on_tpu
 from mk.kernel.plan import Plan, make_plan
 from mk.kernel.packing import pack_pieces, pack_weights
@@ -163,13 +164,6 @@ def expert_k_chunk(plan: Plan) -> int:
     from mk.model.layers.common import K_CHUNK
     from mk.model.config import MX_GROUP
     return MX_GROUP if plan.experts == "mxfp4" and plan.options.mxfp4_matmul == "fp8" else K_CHUNK
-
-
-def experts_format(params: dict) -> str:
-    """"mxfp4" if params' routed experts are packed (`mk.io.checkpoint.load(..., experts="mxfp4")`:
-    moe.w1 = {"packed", "scale"}), else "bf16"."""
-    moe = params.get("moe", {}) if isinstance(params, dict) else {}
-    return "mxfp4" if isinstance(moe.get("w1"), dict) else "bf16"
 
 
 def _plan_for(params: dict, cfg: K3Config, batch: int, prefetch_depth, ctx, mesh, plan_kw) -> Plan:

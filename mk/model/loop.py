@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -191,30 +190,24 @@ def _sequential(fn, weights, cache, tokens):
     return logits, cache
 
 
-def make_prefill(mode: str, step: LoopStep, params: dict, cfg: K3Config):
+def make_prefill(mode, step: LoopStep, params: dict, cfg: K3Config):
     """prefill(cache, tokens [B, T] int32) -> (logits after each row's last token [B, V] f32, cache).
 
     "sequential": the decode step over the prompt, token by token (`_sequential`; `mk.model.reference.generate`'s prefill).
-    "parallel": `mk.model.prefill.prefill(params, cache, tokens, cfg=cfg, experts=...)` (chunks of
-    the prompt's positions at once, on `params` (bf16 or packed MXFP4 experts); the caches have the
-    reference's layout, which every step shares; not bit-exact with the sequential prefill)."""
+    The module `mk.perf.prefill` (the parallel prefill; built from the fair XLA step's layers, it
+    lives in the perf layer, so the caller hands it in; anything with its `prefill`, `prefill_chunk`
+    and `DEFAULT_CHUNK` will do): the prompt's positions at once on `params` (bf16 or packed MXFP4
+    experts); the caches have the reference's layout, which every step shares; not bit-exact with
+    the sequential prefill."""
     if mode == "sequential":
         sequential = lambda cache, tokens: _sequential(step.fn, step.weights, cache, tokens)
         if hasattr(step.fn, "lower"):                 # a jitted step: compiled ahead of the clock
             sequential.compile = lambda cache, tokens: step.fn.lower(step.weights, cache, tokens[:, 0]).compile()
         return sequential
-    if mode != "parallel":
+    if not hasattr(mode, "prefill_chunk"):
         raise LoopError(f"--prefill must be one of {', '.join(PREFILL_MODES)}, found {mode!r}")
-    try:
-        module = importlib.import_module("mk.model.prefill")
-    except ModuleNotFoundError as e:
-        if e.name != "mk.model.prefill":
-            raise
-        raise LoopError("--prefill parallel needs mk.model.prefill, which this build does not have yet "
-                        "(use --prefill sequential)") from None
-
-    from mk.kernel.step import experts_format
-    experts = experts_format(params)
+    from mk.model.params import experts_format
+    experts, module = experts_format(params), mode
 
     def parallel(cache, tokens):
         logits, cache = module.prefill(params, cache, tokens, cfg=cfg, experts=experts)

@@ -245,3 +245,10 @@ def num_params(cfg: K3Config) -> int:
 
 def nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def experts_format(params: dict) -> str:
+    """"mxfp4" if params' routed experts are packed (`mk.io.checkpoint.load(..., experts="mxfp4")`:
+    moe.w1 = {"packed", "scale"}), else "bf16"."""
+    moe = params.get("moe", {}) if isinstance(params, dict) else {}
+    return "mxfp4" if isinstance(moe.get("w1"), dict) else "bf16"

@@ -165,7 +165,7 @@ def forward_tokens(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Confi
 
 def prefill(params: dict, cfg: K3Config, tokens, ctx: int = DEFAULT_CTX):
     """Run prompts tokens [B, T] (equal lengths) from empty caches -> (last logits [B, V], cache).
-    Token by token (T decode steps); `mk.model.prefill.prefill` runs a prompt in parallel."""
+    Token by token (T decode steps); `mk.perf.prefill.prefill` runs a prompt in parallel."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]

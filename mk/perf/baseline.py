@@ -237,7 +237,7 @@ def routed_ragged(latent, ids, weights, w: dict, i: int, cfg: K3Config, experts:
     one_layer: MXFP4 experts of layer i only are dequantized, as even and odd contraction rows
     (`dequantize_halves`, two products summed: another fp32 summation order); the default
     dequantizes every layer's whole (8.9 GB of temporaries and 79 GB of traffic in a deviceless
-    v5e compile of k3-chip's 1024-token prefill): the parallel prefill's choice, `mk.model.prefill`."""
+    v5e compile of k3-chip's 1024-token prefill): the parallel prefill's choice, `mk.perf.prefill`."""
     B, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
