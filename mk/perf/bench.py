@@ -495,6 +495,7 @@ def log(msg: str):
 
 def metadata(cfg: K3Config, experts: str, steps: int, warmup: int, microbench_csv=None,
              peer_format: str | None = None) -> dict:
+    from mk.perf.results import command_line
     dev = jax.devices()[0]
     chips = chip_of_device(dev.device_kind)
     bw = bandwidths(chips[1] if chips else None, microbench_csv)
@@ -502,7 +503,7 @@ def metadata(cfg: K3Config, experts: str, steps: int, warmup: int, microbench_cs
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "jax_version": jax.__version__,
             "config": _config_name(cfg), "experts": experts, "steps": steps, "warmup": warmup,
             "peer_format": peer_format, "peer": _peer_version() if peer_format else None,
-            "command": " ".join(["python -m mk"] + sys.argv[1:]) if sys.argv else None,
+            "command": command_line() if sys.argv else None,
             "datasheet_hbm_bw": bw["datasheet_bw"], "stream_bw": bw["stream_bw"], "stream_source": bw["stream_source"]}
 
 

@@ -59,6 +59,11 @@ def commit() -> tuple[str | None, bool | None]:
     return None, None
 
 
+def command_line() -> str:
+    """The `python -m mk ...` command this process runs, as a record names it."""
+    return " ".join(["python -m mk"] + sys.argv[1:])
+
+
 def provenance(kind: str, key: dict, summary: str = "") -> dict:
     """The "record" of a measurement made now, in this process, on jax's first device."""
     import jax
@@ -70,7 +75,7 @@ def provenance(kind: str, key: dict, summary: str = "") -> dict:
     return {"kind": kind, "key": dict(key), "summary": summary, "commit": head, "dirty": dirty,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "chip": chip,
             "device_kind": dev.device_kind, "backend": jax.default_backend(), "jax_version": jax.__version__,
-            "command": " ".join(["python -m mk"] + sys.argv[1:])}
+            "command": command_line()}
 
 
 # ---- reading records back ----------------------------------------------------------------------------
