@@ -1,5 +1,6 @@
 """Parallel prefill vs token-by-token on this TPU (`mk.perf.prefill_bench.prefill_bench`), as JSON on stdout:
-{"metadata": {...}, "rows": [...]}; one `prefill bench:` line per case on stderr.
+{"record": {...}, "metadata": {...}, "rows": [...]} (a measurement record, `mk.perf.results`, kind "prefill");
+one `prefill bench:` line per case on stderr.
 
     python3 docs/tpu-v5e/prefill_bench.py --config k3-chip --experts bf16 --lengths 128,1024,4096 \
         --token-lengths 128,1024
@@ -30,7 +31,8 @@ def main(argv=None) -> int:
     try:
         import jax
         from mk.model.config import get_config
-        from mk.perf.prefill_bench import prefill_bench
+        from mk.perf.prefill_bench import prefill_bench, prefill_summary
+        from mk.perf.results import provenance
         cfg = get_config(args.config)
         lengths = int_list(args.lengths, "--lengths")
         token_lengths = int_list(args.token_lengths, "--token-lengths") if args.token_lengths else []
@@ -42,7 +44,9 @@ def main(argv=None) -> int:
     meta = {"config": args.config, "experts": args.experts, "device_kind": jax.devices()[0].device_kind,
             "jax_version": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "reps": args.reps}
-    json.dump({"metadata": meta, "rows": rows}, sys.stdout, indent=2)
+    record = provenance("prefill", {"config": args.config, "experts": args.experts}, prefill_summary(rows))
+    record["command"] = " ".join(["python3 docs/tpu-v5e/prefill_bench.py"] + list(sys.argv[1:] if argv is None else argv))
+    json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0
 

@@ -143,3 +143,19 @@ def prefill_bench(cfg: K3Config, lengths: Sequence[int] = (128, 1024, 4096), exp
         if "token_by_token" in by_impl:
             by_impl["parallel"]["speedup"] = by_impl["token_by_token"]["median_ms"] / by_impl["parallel"]["median_ms"]
     return rows
+
+
+def prefill_summary(rows: list[dict]) -> str:
+    """One line of a `prefill_bench` run, for its record: each parallel length's time, its multiple of
+    the MXU roofline and, where timed, its speedup over token by token."""
+    parts = []
+    for r in rows:
+        if r["impl"] != "parallel":
+            continue
+        s = f"T = {r['tokens']}: {r['median_ms']:.1f} ms"
+        if r.get("x_roofline") is not None:
+            s += f", {r['x_roofline']:.2f}x roofline"
+        if r.get("speedup") is not None:
+            s += f", {r['speedup']:.0f}x token by token"
+        parts.append(s)
+    return "parallel prefill " + "; ".join(parts) if parts else "no parallel prefill timed"
