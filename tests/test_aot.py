@@ -239,7 +239,8 @@ def test_compile_time_timeout_kills_and_reports_more_than():
 
 @pytest.mark.parametrize("depth,fits", [(90, True), (120, False)])
 def test_sharded_plan_verdict_agrees_with_compiler(depth, fits):
-    plan = _sharded_plan("k3-slice", 8, prefetch_depth=depth, check=False)
+    # 512 x 512 tiles (default_tile picks 512 x 256 for this layout): 90 slots fit VMEM, 120 do not
+    plan = _sharded_plan("k3-slice", 8, prefetch_depth=depth, check=False, tile=(512, 512))
     assert (plan.vmem_planned_bytes <= plan.vmem_limit) == fits, plan.vmem_planned_bytes
     r = compile_kernel(plan, "tpu7x:2x2x1")
     assert r.compiled == fits, r.error

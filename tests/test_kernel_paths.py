@@ -421,3 +421,32 @@ def test_bit_exact_on_mini_tp8_batch8():
     res = check(cfg, batch=8, steps=2, detect_races=False, ctx=128)
     assert res["max_abs_logit_err"] == 0.0, res["per_step"]
     assert all(v == 0.0 for v in res["cache_max_abs_err_by_array"].values()), res["cache_max_abs_err_by_array"]
+
+
+# ---- 4b. the depth presets' thin widths: 256 x 256 tiles, 16 in flight -------------------------------
+@pytest.mark.slow
+def test_thin_widths_step_on_the_default_small_tiles():
+    """k3-d48's widths (d 1792 = 3.5 x 512, 12 heads x 128, latent 1024, expert FFN 768 = 1.5 x 512)
+    in two layers: `default_tile` picks 256 x 256 (512 x 512 would stream 16% padding at 48 layers)
+    and `default_prefetch_depth` 16 tiles in flight. One step, kernel vs reference, every matrix
+    split into several row and column blocks of the small tile."""
+    from mk.kernel.plan import default_prefetch_depth, default_tile, stream_bytes
+
+    full = get_config("k3-d48")
+    assert default_tile(full) == (256, 256) and default_prefetch_depth((256, 256)) == 16
+    assert stream_bytes(full, (256, 256)) < 0.87 * stream_bytes(full, (512, 512))
+    cfg = full.replace(layers=2, full_attention=(1,), vocab=512, experts=4, top_k=2, dense_hidden=1024)
+    params = params_mod.init(cfg, 0)
+    step_fn = make_step_fn(params, cfg, 1, ctx=128, interpret=interpret_params(detect_races=True))
+    assert (step_fn.plan.tile_k, step_fn.plan.tile_n, step_fn.plan.prefetch_depth) == (256, 256, 16)
+    cache = reference.init_cache(cfg, 1, 128)
+    k_logits, k_cache = kernel_step(step_fn, cache, np.array([7], np.int32))
+    r_logits, r_cache = reference.decode_step(params, cache, jnp.asarray([7], jnp.int32), cfg=cfg)
+    # Not bit-exact: a 256-row tile adds its fp32 partial product to the accumulator where the
+    # reference sums 512 rows in one dot (the fp32 sum in another order: last-bit differences).
+    err = float(np.max(np.abs(k_logits - np.asarray(r_logits))))
+    assert 0 < err <= 1e-5 * float(np.max(np.abs(np.asarray(r_logits)))), err
+    assert (k_logits.argmax(-1) == np.asarray(r_logits).argmax(-1)).all()
+    for n in CACHE_KEYS:
+        a, b = np.asarray(k_cache[n], np.float32), np.asarray(r_cache[n], np.float32)
+        assert a.shape == b.shape and (not a.size or float(np.max(np.abs(a - b))) <= 1e-5), n   # seen: 2.4e-7

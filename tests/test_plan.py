@@ -97,3 +97,28 @@ def test_options_shape_the_matrices_and_the_schedule():
     routing = [p.index for p in phases(mk) if p.name == "routing"]
     assert all(d.issue_after in routing for d in dmas(mk) if d.tensor.startswith("expert["))
     assert "kda.f_a" in {p.name for p in ph} and "routing" in {p.name for p in ph}
+
+
+def test_default_tile_streams_the_least_padding():
+    """The per-model tile (`default_tile`): K3's widths keep 512 x 512 (1% of padding at most), the
+    depth presets' thin layers take 256 x 256 (512 x 512 would stream 6-16% padding), and the ring
+    keeps 2 MiB of tiles in flight whatever their shape."""
+    from mk.kernel.plan import (DEFAULT_PREFETCH_DEPTH, INFLIGHT_BYTES, TILE_CHOICES, default_prefetch_depth,
+                                default_tile, stream_bytes)
+    from mk.model.config import DEPTH_PRESETS
+    assert default_tile(get_config("mini")) == (512, 256)               # bit-exact interpret-mode tests
+    for name in ("k3", "k3-chip"):
+        for experts in ("bf16", "mxfp4"):
+            assert default_tile(get_config(name), experts=experts) == (512, 512), (name, experts)
+    for name in DEPTH_PRESETS[1:]:
+        cfg = get_config(name)
+        sizes = {t: stream_bytes(cfg, t) for t in TILE_CHOICES}
+        assert default_tile(cfg) == (256, 256) == min(sizes, key=sizes.get), name
+        assert sizes[(512, 512)] > 1.06 * sizes[(256, 256)], name
+        plan = make_plan(cfg, 1, chip="v5e")
+        assert (plan.tile_k, plan.tile_n, plan.prefetch_depth) == (256, 256, 16)
+    assert default_prefetch_depth((512, 512)) == DEFAULT_PREFETCH_DEPTH == 4
+    for t in TILE_CHOICES:
+        assert default_prefetch_depth(t) * t[0] * t[1] * 2 == INFLIGHT_BYTES
+    assert make_plan(get_config("k3-d48"), 1, chip="v5e", tile=(512, 512)).prefetch_depth == 4
+    assert make_plan(get_config("k3-d48"), 1, chip="v5e", prefetch_depth=2).prefetch_depth == 2

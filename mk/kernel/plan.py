@@ -7,7 +7,8 @@ replays it, so the two can never disagree about the schedule.
 The weight stream
 -----------------
 Every dense matrix of the step (attention projections, router, latent and shared projections,
-layer 0's dense MLP, the LM head) is cut into tiles of one shape `[tile_k, tile_n]` (bf16), laid
+layer 0's dense MLP, the LM head) is cut into tiles of one shape `[tile_k, tile_n]` (bf16; chosen per
+model by `default_tile`, the shape that streams the least zero padding), laid
 out once at load time in the order the kernel consumes them (`pack_weights`): for each matrix,
 column block by column block, and inside a column block, row block by row block. Matrices that
 read the same activation are fused side by side (KDA's q|k|v|g|b, MLA's q_a|kv_a|g, the MoE's
@@ -37,6 +38,7 @@ norm) travel as one `[rows, width]` f32 table per layer, double-buffered one lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import cached_property
 from typing import Sequence
 
@@ -797,14 +799,53 @@ def _presets():
 # --------------------------------------------------------------------------------------------
 # Building a plan
 # --------------------------------------------------------------------------------------------
-def default_tile(cfg: K3Config) -> tuple[int, int]:
-    """512 x 512 tiles at K3 widths. Small models use 512 x 256: few DMAs in interpret mode, and
-    every contraction of `mini` fits one row block, so the kernel's fp32 sums run in the same
-    order as the reference's (bit-exact comparisons)."""
-    return (512, 256) if cfg.dim <= 1024 else (512, 512)
+# The stream's tile shapes, largest first. Every matrix is zero-padded to whole tiles and the padding
+# streams like weights, so the tile is chosen per model: K3's widths are multiples of 512, but the
+# depth presets' thin layers (1792 = 3.5 x 512 wide, experts 768 = 1.5 x 512 deep) lose 16% of a
+# 48-layer step to padding at 512 x 512, and 2.4% at 256 x 256 (`stream_bytes`).
+TILE_CHOICES = ((512, 512), (512, 256), (256, 512), (256, 256))
+PADDING_SLACK = 0.01          # a larger tile is kept while it streams at most 1% more bytes than the fewest
+DEFAULT_PREFETCH_DEPTH = 4    # tiles in flight at 512 x 512 ...
+INFLIGHT_BYTES = DEFAULT_PREFETCH_DEPTH * 512 * 512 * BF16_BYTES   # ... 2 MiB, kept for smaller tiles
 
 
-DEFAULT_PREFETCH_DEPTH = 4
+@functools.lru_cache(maxsize=64)
+def stream_bytes(cfg: K3Config, tile: tuple[int, int], layout: Layout = Layout(), experts: str = "bf16") -> int:
+    """HBM bytes one B = 1 step streams with `tile`: every dense matrix's padded tiles and top_k routed
+    experts per MoE layer (the plan's matrices, tile padding included)."""
+    tk, tn = tile
+    total = 0
+    for l in range(cfg.layers + 1):
+        _, pre, post = _layer_matrices(cfg, l, tk, tn, layout)
+        total += sum(m.bytes for m in pre + post)
+    fe = cfg.expert_hidden // layout.tp_expert
+    lp = layout.devices * round_up(cfg.latent // layout.devices, 128)
+    gu, down = _expert_matrices(cfg, fe, lp, tile, experts, MK)
+    moe_layers = sum(1 for l in range(cfg.layers) if l > 0)
+    return total + moe_layers * cfg.top_k * (gu.bytes + down.bytes)
+
+
+def default_tile(cfg: K3Config, layout: Layout = Layout(), experts: str = "bf16") -> tuple[int, int]:
+    """The kernel's tile for a model: small models (dim <= 1024) use 512 x 256 (few DMAs in interpret
+    mode, and every contraction of `mini` fits one row block, so the kernel's fp32 sums run in the
+    same order as the reference's: bit-exact comparisons). Otherwise the largest of `TILE_CHOICES`
+    whose step streams within `PADDING_SLACK` of the fewest bytes (`stream_bytes`): 512 x 512 at K3's
+    widths (k3, k3-chip), 256 x 256 for the thin layers of the depth presets."""
+    if cfg.dim <= 1024:
+        return (512, 256)
+    sizes = {t: stream_bytes(cfg, t, layout, experts) for t in TILE_CHOICES}
+    fewest = min(sizes.values())
+    return next(t for t in TILE_CHOICES if sizes[t] <= fewest * (1 + PADDING_SLACK))
+
+
+def default_prefetch_depth(tile: tuple[int, int]) -> int:
+    """Tiles in flight: `DEFAULT_PREFETCH_DEPTH` at 512 x 512, and as many smaller tiles as keep
+    `INFLIGHT_BYTES` (2 MiB) in flight (16 at 256 x 256): the bytes in flight, not the count of
+    descriptors, cover the DMA latency."""
+    tk, tn = tile
+    return max(DEFAULT_PREFETCH_DEPTH, INFLIGHT_BYTES // (tk * tn * BF16_BYTES))
+
+
 MAX_ROWS = 8   # token rows of one step (sequences x (1 + k)): one sublane tile of matmul rows
 
 
@@ -813,7 +854,7 @@ def max_drafts(batch: int) -> int:
     return MAX_ROWS // batch - 1
 
 
-def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int | None = None,
               num_slots: int | None = None, tile: int | tuple[int, int] | None = None,
               vmem_limit: int | None = None, chip: str = "tpu7x", ctx: int = 256,
               layout: Layout = Layout(), check: bool = True, experts: str = "bf16", k: int = 0,
@@ -826,6 +867,7 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
 
     experts: storage format of the routed experts, "bf16" or "mxfp4" (packed E2M1 codes + E8M0
     scales in HBM, dequantized in VMEM; the checkpoint's own format). Every other matrix is bf16.
+    tile None: `default_tile` (the least padding); prefetch_depth None: `default_prefetch_depth`.
     options: the schedule's choices (`ScheduleOptions`); the kernel runs `MK`, other points (the
     seed's schedule, `SEED`) are for the simulator and shape the matrices as that schedule does."""
     if not 1 <= batch <= MAX_ROWS:
@@ -840,15 +882,6 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
     bad = [l for l in aux_layers if not 0 < l < cfg.layers]
     if bad or len(set(aux_layers)) != len(aux_layers):
         raise PlanError(f"aux layers {list(aux_layers)}: each must be a distinct layer in 1..{cfg.layers - 1}")
-    if prefetch_depth < 0:
-        raise PlanError(f"prefetch_depth must be >= 0, found {prefetch_depth}")
-    num_slots = prefetch_depth + 1 if num_slots is None else num_slots
-    if num_slots < prefetch_depth + 1:
-        raise PlanError(f"num_slots ({num_slots}) must be at least prefetch_depth + 1 "
-                        f"({prefetch_depth + 1}): a slot is refilled only after its tile is used")
-    tk, tn = (tile, tile) if isinstance(tile, int) else tuple(tile or default_tile(cfg))
-    if tk % 128 or tn % 128 or tk <= 0 or tn <= 0:
-        raise PlanError(f"tile {tk}x{tn}: both sides must be positive multiples of 128")
     if chip not in VMEM_BYTES:
         raise PlanError(f"unknown chip {chip!r}: expected one of {sorted(VMEM_BYTES)}")
     if ctx % 128 or ctx <= 0:
@@ -862,9 +895,19 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int = DEFAULT_PR
     if options.attention_heads and (cfg.heads // layout.tp_attn) % options.attention_heads:
         raise PlanError(f"ScheduleOptions.attention_heads = {options.attention_heads} must divide the "
                         f"{cfg.heads // layout.tp_attn} attention heads on a device")
-    vmem_limit = vmem_limit or min(DEFAULT_VMEM_LIMIT, VMEM_BYTES[chip])
     if experts not in FORMATS:
         raise PlanError(f"experts must be one of {FORMATS}, found {experts!r}")
+    tk, tn = (tile, tile) if isinstance(tile, int) else tuple(tile or default_tile(cfg, layout, experts))
+    if tk % 128 or tn % 128 or tk <= 0 or tn <= 0:
+        raise PlanError(f"tile {tk}x{tn}: both sides must be positive multiples of 128")
+    prefetch_depth = default_prefetch_depth((tk, tn)) if prefetch_depth is None else prefetch_depth
+    if prefetch_depth < 0:
+        raise PlanError(f"prefetch_depth must be >= 0, found {prefetch_depth}")
+    num_slots = prefetch_depth + 1 if num_slots is None else num_slots
+    if num_slots < prefetch_depth + 1:
+        raise PlanError(f"num_slots ({num_slots}) must be at least prefetch_depth + 1 "
+                        f"({prefetch_depth + 1}): a slot is refilled only after its tile is used")
+    vmem_limit = vmem_limit or min(DEFAULT_VMEM_LIMIT, VMEM_BYTES[chip])
     if experts == "mxfp4" and options.kernel:
         _check_mxfp4(cfg, tk, layout)
         if options.mxfp4_matmul == "fp8" and chip not in FP8_MXU:

@@ -484,3 +484,20 @@ def records_figure(records):
                       yaxis_title="tokens/s (batch / device time per step)", barmode="group",
                       legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=120), width=1000, height=520)
     return fig
+
+
+def record_rows(records, kind: str) -> list[dict]:
+    """The rows of the newest records of one kind (`mk.perf.results.current`), each with its record's key
+    (config, experts, ...), date, commit (7 characters) and file added: one flat dict per measured case,
+    ready for a DataFrame. records: `mk.perf.results.find_records`."""
+    import json
+
+    from mk.perf.results import current
+    out = []
+    for path, rec in current(records):
+        if rec["kind"] != kind:
+            continue
+        for r in json.loads(path.read_text()).get("rows", []):
+            out.append({**rec.get("key", {}), **r, "date": (rec.get("date") or "")[:10],
+                        "commit": (rec.get("commit") or "")[:7], "record": path.name})
+    return out

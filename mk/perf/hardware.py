@@ -409,7 +409,7 @@ class SystemLayout:
 # How `mk simulate` builds mk's plan for a system (data/systems.csv column `mk_plan`, optional):
 # 'tuned': the fastest modelled of the choices the kernel runs and the deepest ring that fits VMEM
 # (a system with no chip to run on); 'defaults': the kernel's defaults (`mk.kernel.step.make_step_fn`:
-# prefetch depth 4, `mk.kernel.plan.default_tile`), the configuration timed on the chip.
+# `mk.kernel.plan.default_tile` and `default_prefetch_depth`), the configuration timed on the chip.
 MK_PLANS = ("tuned", "defaults")
 
 

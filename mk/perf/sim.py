@@ -680,7 +680,7 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
     """mk's plan for `system` and `info` describing it. experts None: MXFP4, or bf16 expert tiles where
     `make_plan` refuses MXFP4 for the layout (`info["note"]` says why). The system's `mk_plan`
     (data/systems.csv) says how the rest is chosen: 'defaults', the kernel's own (`make_step_fn`:
-    `DEFAULT_PREFETCH_DEPTH`, `default_tile`, MK's options; the bf16 MXFP4 path), as timed on the chip;
+    `default_tile`, `default_prefetch_depth`, MK's options; the bf16 MXFP4 path), as timed on the chip;
     'tuned', the kernel's free choices (`MK_CHOICES`: all-reduce rounds, MXFP4 MXU path, fp8 only
     where the chip has an fp8 MXU; `MK_TILES`; the kernel runs every combination) that the model
     finds fastest for this batch, and the deepest ring that fits VMEM. mxfp4_matmul: fixes that choice."""
@@ -708,9 +708,11 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
     choices["tile"] = MK_TILES
     depth = None
     if s.setup.mk_plan == "defaults":
+        from mk.model.sharding import default_layout
+        tile = planlib.default_tile(cfg, default_layout(cfg, s.devices), experts)
         choices = {f: (getattr(MK, f),) for f in MK_CHOICES} | {"mxfp4_matmul": choices["mxfp4_matmul"][:1],
-                                                                  "tile": (planlib.default_tile(cfg),)}
-        depth = planlib.DEFAULT_PREFETCH_DEPTH
+                                                                  "tile": (tile,)}
+        depth = planlib.default_prefetch_depth(tile)
     step: dict[tuple, tuple] = {}
     key = lambda pick: tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in pick.items())
 
