@@ -19,9 +19,10 @@ GENERATIONS = [("v5e:2x2", "v5e"), ("v6e:2x2", "v6e"), ("tpu7x:2x2x1", "tpu7x")]
 @pytest.mark.parametrize("batch", [1, 8])
 def test_mini_compiles(topology, chip, experts, batch):
     """One device, default options, both expert formats, every generation we name (MXFP4 unpacked
-    with integer ops, two bf16 patterns per lane, on v5e / v6e, the fp4 bitcast on TPU v7: the plan's choice)."""
+    with integer ops, two bf16 patterns per lane, on v5e ('pairs_mul') / v6e ('pairs'), the fp4 bitcast on TPU v7:
+    the plan's choice)."""
     plan = make_plan(get_config("mini"), batch, chip=chip, experts=experts)
-    assert plan.mxfp4_unpack == ("bitcast" if chip == "tpu7x" else "pairs")
+    assert plan.mxfp4_unpack == {"tpu7x": "bitcast", "v5e": "pairs_mul"}.get(chip, "pairs")
     r = compile_kernel(plan, topology)
     assert r.compiled, r.error
 
@@ -45,9 +46,10 @@ def test_every_option_compiles_where_the_chip_allows_it(topology, chip):
             opts = dataclasses.replace(fp8, mxfp4_unpack=unpack)
             r = compile_kernel(make_plan(cfg, 2, chip=chip, experts="mxfp4", options=opts), topology)
             assert r.compiled, (unpack, r.error)
-    shift = make_plan(cfg, 1, chip=chip, experts="mxfp4", options=dataclasses.replace(MK, mxfp4_unpack="shift"))
-    r = compile_kernel(shift, topology)
-    assert r.compiled, ("shift", r.error)
+    for unpack in ("shift", "pairs_mul" if chip != "v5e" else "pairs"):    # the integer unpacks the default is not
+        plan = make_plan(cfg, 1, chip=chip, experts="mxfp4", options=dataclasses.replace(MK, mxfp4_unpack=unpack))
+        r = compile_kernel(plan, topology)
+        assert r.compiled, (unpack, r.error)
     tp = get_config("mini-tp8")
     for experts in ("mxfp4", "bf16"):
         plan = make_plan(tp, 4, chip=chip, experts=experts, layout=default_layout(tp, 4),
