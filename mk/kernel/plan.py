@@ -821,11 +821,8 @@ def stream_bytes(cfg: K3Config, tile: tuple[int, int], layout: Layout = Layout()
     for l in range(cfg.layers + 1):
         _, pre, post = _layer_matrices(cfg, l, tk, tn, layout)
         total += sum(m.bytes for m in pre + post)
-    fe = cfg.expert_hidden // layout.tp_expert
-    lp = layout.devices * round_up(cfg.latent // layout.devices, 128)
-    gu, down = _expert_matrices(cfg, fe, lp, tile, experts, MK)
-    moe_layers = sum(1 for l in range(cfg.layers) if l > 0)
-    return total + moe_layers * cfg.top_k * (gu.bytes + down.bytes)
+    gu, down = _expert_matrices(cfg, layout, tile, experts, MK)
+    return total + cfg.n_moe * cfg.top_k * (gu.bytes + down.bytes)
 
 
 def default_tile(cfg: K3Config, layout: Layout = Layout(), experts: str = "bf16") -> tuple[int, int]:
@@ -925,9 +922,7 @@ def make_plan(cfg: K3Config, batch: int = 1, *, prefetch_depth: int | None = Non
         s = LayerStream(l, kind, pre, post, base)
         base += s.pre_tiles + s.post_tiles
         streams.append(s)
-    fe = cfg.expert_hidden // layout.tp_expert
-    lp = layout.devices * round_up(cfg.latent // layout.devices, 128)     # the gathered latent width
-    gu, down = _expert_matrices(cfg, fe, lp, mt, experts, options)
+    gu, down = _expert_matrices(cfg, layout, mt, experts, options)
     plan = Plan(cfg, batch * (1 + k), prefetch_depth, num_slots, tk, tn, vmem_limit, chip, ctx, layout,
                 tuple(streams), gu, down, options=options, seq_rows=1 + k, aux_layers=aux_layers)
     if check:
@@ -946,10 +941,12 @@ def _matrix(name, k, parts, tk, tn, head_pads=None, fmt="bf16", align=128) -> Ma
     return Matrix(name, k, off, tuple(placed), tk or k, tn or round_up(off, 128), fmt)
 
 
-def _expert_matrices(cfg: K3Config, fe: int, lp: int, tile, experts: str, options: ScheduleOptions):
-    """One routed expert's [w1 | w3] (latent -> 2 Fe) and w2 (Fe -> latent) on one device. mk's kernel
-    contracts over its gathered latent layout (`lp` lanes: N blocks of 128); the seed's kernel and a
-    GPU stack over the latent itself."""
+def _expert_matrices(cfg: K3Config, layout: Layout, tile, experts: str, options: ScheduleOptions):
+    """One routed expert's [w1 | w3] (latent -> 2 Fe) and w2 (Fe -> latent) on one device (Fe: its
+    share of the expert's hidden width). mk's kernel contracts over its gathered latent layout (`lp`
+    lanes: N blocks of 128); the seed's kernel and a GPU stack over the latent itself."""
+    fe = cfg.expert_hidden // layout.tp_expert
+    lp = layout.devices * round_up(cfg.latent // layout.devices, 128)     # the gathered latent width
     k = lp if options.collectives == "merged" and options.program == "megakernel" else cfg.latent
     gu = _matrix("expert.gu", k, [(("moe", "w1"), fe), (("moe", "w3"), fe)], *tile,
                  fmt=options.expert_gate_up or experts)

@@ -454,24 +454,20 @@ def records_figure(records):
     """Decode tokens/s from device time (the step program alone, from a profiler trace) of each impl,
     at each (config, experts, batch) of the newest bench records that raced the kernel against a
     rival: a grouped bar chart whose bars carry their values. records: `mk.perf.results.find_records`."""
-    import json
-
     import plotly.graph_objects as go
 
-    from mk.perf.results import current
+    rows = [r for r in record_rows(records, "bench") if r["impl"] != "reference" and r.get("device_median_ms")]
+    run = lambda r: (r["record"], r["date"], r.get("config"), r.get("experts"))      # one record's rows
+    impls = {}
+    for r in rows:
+        impls.setdefault(run(r), set()).add(r["impl"])
     groups, values = [], {}
-    for path, rec in current(records):
-        if rec["kind"] != "bench":
-            continue
-        rows = json.loads(path.read_text())["rows"]
-        if len({r["impl"] for r in rows if r.get("device_median_ms")} - {"reference"}) < 2:
+    for r in rows:
+        if len(impls[run(r)]) < 2:
             continue                                      # the kernel alone: no comparison to draw
-        for r in rows:
-            if r["impl"] == "reference" or not r.get("device_median_ms"):
-                continue
-            g = f"{rec['key'].get('config')} {rec['key'].get('experts')}<br>B = {r['batch']}"
-            groups.append(g) if g not in groups else None
-            values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
+        g = f"{r.get('config')} {r.get('experts')}<br>B = {r['batch']}"
+        groups.append(g) if g not in groups else None
+        values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     if not values:
         raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
     fig = go.Figure()
