@@ -3,6 +3,7 @@ measure() pipeline on mini with the TPU check bypassed (CPU timings: no claim, o
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -188,3 +189,28 @@ def test_generate_summary():
                                             "step rate; xla not run")
     mx = [{"impl": i, "batch": 1, "experts": "mxfp4", "loop_tok_s": t, "frac_of_device": 0.99} for i, t in (("kernel", 181.1), ("xla", 113.3))]
     assert "xla (a strawman with MXFP4" in bench.generate_summary(mx) and "kernel loop 181.1" in bench.generate_summary(mx)
+
+
+def test_init_fast_draws_init_families():
+    """The bench's weights (`init_fast`, a counter hash on the device): each family's mean and std as
+    `init` draws it, deterministic in the seed, and MXFP4 experts with the family's scale byte."""
+    from mk.model import params as P
+    cfg = get_config("mini")
+    a, b, c = P.init_fast(cfg, 0), P.init_fast(cfg, 0), P.init_fast(cfg, 1)
+    flat = jax.tree_util.tree_flatten_with_path(a)[0]
+    for (path, x), y, z in zip(flat, jax.tree.leaves(b), jax.tree.leaves(c)):
+        key = tuple(p.key for p in path)
+        x = np.asarray(x, np.float32)
+        assert np.array_equal(x, np.asarray(y, np.float32)), key
+        assert not np.array_equal(x, np.asarray(z, np.float32)), key
+        kind, scale, offset = P._family(cfg, key, x.shape)
+        if kind in ("normal", "matrix") and x.size >= 4096:
+            assert abs(x.mean() - offset) < 0.02 * scale + 1e-6, key
+            assert abs(x.std() / scale - 1) < 0.03, (key, x.std(), scale)
+        elif kind == "a_log":
+            assert 0 <= x.min() and x.max() < np.log(16) + 1e-3, key
+    m = P.init_fast(cfg, 0, "mxfp4")["moe"]["w1"]
+    byte = P.mxfp4_scale_byte(P._family(cfg, ("moe", "w1"), P.shapes(cfg)["moe"]["w1"].shape)[1])
+    assert set(np.unique(np.asarray(m["scale"]))) == {byte - 1, byte}
+    counts = np.bincount(np.asarray(m["packed"]).ravel(), minlength=256)
+    assert counts.min() > 0.5 * counts.mean()

@@ -304,3 +304,39 @@ def test_long_figure_titles_are_wrapped_to_the_export_width():
     assert " ".join(lines) == words.strip() and fig.layout.margin.t >= 40 + 24 * len(lines)
     short = fit_title(go.Figure(layout=dict(title="tokens/s vs batch")))
     assert short.layout.title.text == "tokens/s vs batch"
+
+
+OPS_XSPACE = '''
+planes { id: 1 name: "/device:TPU:0"
+  lines { id: 1 name: "XLA Modules" timestamp_ns: 0
+    events { metadata_id: 9 offset_ps: 0 duration_ps: 10000000 }
+    events { metadata_id: 9 offset_ps: 20000000 duration_ps: 12000000 } }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 1000000 duration_ps: 3000000 stats { metadata_id: 7 str_value: "convolution fusion" } }
+    events { metadata_id: 2 offset_ps: 5000000 duration_ps: 4000000 stats { metadata_id: 7 str_value: "custom-call" } }
+    events { metadata_id: 1 offset_ps: 21000000 duration_ps: 3000000 stats { metadata_id: 7 str_value: "convolution fusion" } }
+    events { metadata_id: 3 offset_ps: 23000000 duration_ps: 2000000 }
+    events { metadata_id: 2 offset_ps: 26000000 duration_ps: 5000000 stats { metadata_id: 7 str_value: "custom-call" } } }
+  event_metadata { key: 1 value { id: 1 name: "fusion.12" } }
+  event_metadata { key: 2 value { id: 2 name: "%fused_moe.3 = bf16[8,3584]{1,0} custom-call(%p), custom_call_target=\\"tpu_custom_call\\"" } }
+  event_metadata { key: 3 value { id: 3 name: "copy.4" } }
+  event_metadata { key: 9 value { id: 9 name: "jit_step" } }
+  stat_metadata { key: 7 value { id: 7 name: "hlo_category" } }
+}
+'''
+
+
+def test_step_op_breakdown_splits_a_step_into_ops_and_idle():
+    """`mk bench`'s per-op view of a rival's step: ops per step, their union (an overlap counted
+    once), the idle rest of the program's time, time by op kind and by HLO category."""
+    from jax.profiler import ProfileData
+
+    from mk.perf.trace import step_op_breakdown
+    b = step_op_breakdown(ProfileData.from_text_proto(OPS_XSPACE), 2)
+    assert b["steps"] == 2 and b["ops"] == 2.5 and b["step_ms"] == pytest.approx(0.011)
+    # step 1: 3 + 4 us busy of 10; step 2: [21, 25] + [26, 31] = 9 us of 12 (the copy overlaps the fusion)
+    assert b["busy_ms"] == pytest.approx(0.008) and b["idle_ms"] == pytest.approx(0.003)
+    assert b["by_kind"] == pytest.approx({"fused_moe": 0.0045, "fusion": 0.003, "copy": 0.001})
+    assert [t["kind"] for t in b["top"]] == ["fused_moe", "fusion", "copy"] and b["top"][0]["count"] == 1
+    assert b["categories"] == pytest.approx({"custom-call": 0.0045, "convolution fusion": 0.003})
+    assert step_op_breakdown(ProfileData.from_text_proto(OPS_XSPACE), 3) is None     # no program ran 3 times

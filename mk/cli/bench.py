@@ -7,7 +7,8 @@ frac_datasheet (of the chip's HBM bandwidth), frac_stream (of `mk microbench`'s 
 stream bandwidth; null if not measured), tok_s (batch / median), kernel_speedup (this impl's
 median / the kernel's), device_median_ms (the step program's device time, from a `jax.profiler`
 trace of 5 more steps: no host dispatch or sync), device_gb_s and device_frac_stream (the same bytes
-over it), device_speedup (this impl's device time / the kernel's), distinct_experts (per MoE layer, mean over the timed steps), error (why a
+over it), device_speedup (this impl's device time / the kernel's), device_ops (from the same trace,
+`mk.perf.trace.step_op_breakdown`: ops per step, busy and idle ms between them, ms by op), distinct_experts (per MoE layer, mean over the timed steps), error (why a
 case did not run); peer rows: peer_format, their bytes counting the experts in it; kernel rows: best_other
 (the faster of xla and peer by device time), device_speedup_vs_best and speedup_vs_best (its device and
 wall time / the kernel's). Off a TPU it refuses (exit 2); so does --impl peer where tpu-inference is not

@@ -121,8 +121,8 @@ def init(cfg: K3Config, seed: int = 0, *, on_device: bool | None = None) -> dict
 
     Deterministic in (cfg, seed); returns jax arrays with the dtypes of `shapes(cfg)`. Host-side
     numpy (the same weights on any backend) unless `on_device` (default: more than
-    DEVICE_INIT_ABOVE parameters), where each family is drawn by `jax.random` on the default device
-    from the same distributions (seconds for billions of parameters; other values than numpy's).
+    DEVICE_INIT_ABOVE parameters), where `init_fast` draws the same families on the default device
+    (seconds for billions of parameters; other values than numpy's).
     """
     if on_device is None:
         on_device = num_params(cfg) > DEVICE_INIT_ABOVE
@@ -156,10 +156,11 @@ def draw(cfg: K3Config, key: tuple, shape, rng: np.random.Generator) -> np.ndarr
 
 
 def init_fast(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict:
-    """Random parameters drawn on the default device, leaf by leaf (`jax.random`), for configs too
-    big for `init`'s host-side numpy (3 B parameters: ~100 s there, seconds here). Same
-    distributions as `init` (norms, AttnRes queries, conv taps, decays, damped matrices, decisive
-    router biases), not the same values; deterministic in (cfg, seed, experts) on a given backend.
+    """Random parameters drawn on the default device from a counter hash (`_hash_bits`), for configs
+    too big for `init`'s host-side numpy (3 B parameters: ~100 s there, seconds here). `init`'s
+    families and scales (norms, AttnRes queries, conv taps, decays, damped matrices, decisive router
+    biases; normals as a standardized sum of four uniform bytes), not its values; deterministic in
+    (cfg, seed, experts).
 
     experts="mxfp4": the routed experts as the MXFP4 checkpoint tree holds them
     (`mk.io.checkpoint.load(..., experts="mxfp4")`): moe.w1/w3/w2 = {"packed": u8 [n_moe, E, N, K/2]
@@ -172,16 +173,17 @@ def init_fast(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict:
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _init_fast_jit(cfg: K3Config, experts: str, seed) -> dict:
-    """One program for the whole tree: eager `jax.random` compiled ~170 small programs (117 s for
-    k3-chip on a TPU v5e), this compiles one."""
+    """One program for the whole tree (eager `jax.random` compiled ~170 small programs, 117 s for
+    k3-chip on a TPU v5e), drawn from a counter hash (`_hash_bits`): libtpu's compile time of
+    `jax.random` grows with the array (k3-chip's tree: 30 s to compile; the hash: about 3 s)."""
     structs = shapes(cfg)
     leaves, tree = jax.tree_util.tree_flatten_with_path(structs)
     base = jax.random.PRNGKey(seed)
     out = []
     for n, (path, s) in enumerate(leaves):
         key = tuple(p.key for p in path)
-        k = jax.random.fold_in(base, n)
-        out.append(_fast_leaf(cfg, key, s, k, experts))
+        salt = seed.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(n)
+        out.append(_fast_leaf(cfg, key, s, salt, jax.random.fold_in(base, n), experts))
     return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -195,33 +197,60 @@ def mxfp4_scale_byte(std: float) -> int:
     return int(round(np.log2(std / _E2M1_RMS))) + 127
 
 
-def _fast_leaf(cfg: K3Config, key: tuple, s: jax.ShapeDtypeStruct, k, experts: str):
+def _mix32(x):
+    """A 32-bit integer finalizer (lowbias32): each output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash_bits(shape, salt):
+    """u32[shape] of uniformly random bits: the element's flat index (mod 2^32) hashed with salt."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
+    return _mix32(_mix32(index + _mix32(salt)) ^ salt)
+
+
+def _hash_normal(shape, salt):
+    """f32[shape], about N(0, 1): the sum of the four bytes of `_hash_bits`, standardized (Irwin-Hall:
+    bounded at +-3.5 std, which random weights do not miss; erf_inv costs libtpu seconds to compile)."""
+    x = _hash_bits(shape, salt)
+    total = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+    return (total.astype(F32) - 510.0) * np.float32(1.0 / np.sqrt(4 * (256**2 - 1) / 12))
+
+
+def _fast_leaf(cfg: K3Config, key: tuple, s: jax.ShapeDtypeStruct, salt, k, experts: str):
     shape, dtype = s.shape, s.dtype
-    normal = lambda scale, dt=dtype: (jax.random.normal(k, shape, dt) * jnp.asarray(scale, dt)).astype(dtype)
+    normal = lambda scale: (_hash_normal(shape, salt) * np.float32(scale)).astype(dtype)
     if key in _NORMS:
-        return (1.0 + 0.05 * jax.random.normal(k, shape, F32)).astype(dtype)
+        return (1.0 + 0.05 * _hash_normal(shape, salt)).astype(dtype)
     if key in {("output_res",), ("layer", "attn_res"), ("layer", "mlp_res")}:
         return normal(0.5 / np.sqrt(cfg.dim))
     if key == ("embed",):
         return normal(1.0)
     if key == ("kda", "conv"):
-        x = 0.1 * jax.random.normal(k, shape, F32)
+        x = 0.1 * _hash_normal(shape, salt)
         return x.at[..., -1, :].add(1.0).astype(dtype)
     if key == ("kda", "a_log"):
-        return jnp.log(jax.random.uniform(k, shape, F32, 1.0, 16.0)).astype(dtype)
+        u = (_hash_bits(shape, salt) >> 8).astype(F32) * np.float32(2.0**-24)
+        return jnp.log(1.0 + 15.0 * u).astype(dtype)
     if key == ("kda", "dt_bias"):
         return normal(0.5)
-    if key == ("moe", "router_bias"):
+    if key == ("moe", "router_bias"):                  # small: jax.random's permutation
         keys = jax.random.split(k, shape[0])
         return jnp.stack([jax.random.permutation(kk, shape[1]) * 0.15 for kk in keys]).astype(dtype)
     scale = 1.0 / np.sqrt(shape[-2]) * (OUTPUT_DAMPING if key in _DAMPED else 1.0)
     if experts == "mxfp4" and key[0] == "moe" and key[1] in ("w1", "w3", "w2"):
         *lead, K, N = shape
-        kp, ks = jax.random.split(k)
         byte = mxfp4_scale_byte(scale)
-        packed = jax.random.randint(kp, (*lead, N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        scale_bytes = byte + jax.random.randint(ks, (*lead, N, K // 32), -1, 1, jnp.int32)   # byte - 1 or byte
-        return {"packed": packed, "scale": scale_bytes.astype(jnp.uint8)}
+        packed = (_hash_bits((*lead, N, K // 2), salt) >> 24).astype(jnp.uint8)
+        flip = _hash_bits((*lead, N, K // 32), salt ^ jnp.uint32(0x5BD1E995)) >> 31     # byte - 1 or byte
+        return {"packed": packed, "scale": (jnp.uint32(byte - 1) + flip).astype(jnp.uint8)}
     return normal(scale)
 
 

@@ -159,15 +159,25 @@ def device_step_times(step: Callable, cache: dict, tok, steps: int) -> list[floa
     """Device seconds of `steps` more steps from `cache`, read from a `jax.profiler` trace (XProf's
     device plane: the step program's own time, without the host's dispatch and sync that a wall
     clock around each step also counts). [] where the trace has no device plane (CPU)."""
+    return device_step_profile(step, cache, tok, steps)[0]
+
+
+def device_step_profile(step: Callable, cache: dict, tok, steps: int) -> tuple[list[float], dict | None]:
+    """`device_step_times` and, from the same trace, what the device ran inside a step
+    (`mk.perf.trace.step_op_breakdown`: ops per step, busy and idle time, time by op); None off a TPU."""
     import glob
     import tempfile
-    from mk.perf.trace import device_event_list, step_device_seconds
+    from mk.perf.trace import device_event_list, step_device_seconds, step_op_breakdown
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(steps):
                 cache = jax.block_until_ready(step(cache, tok))[1]
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        return step_device_seconds(device_event_list(files[0]), steps) if files else []
+        if not files:
+            return [], None
+        from mk.perf.trace import profile_data
+        data = profile_data(files[0])
+        return step_device_seconds(device_event_list(data), steps), step_op_breakdown(data, steps)
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -367,8 +377,8 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
             row.update(summarize(time_steps(step, lambda: reference.init_cache(cfg, B, ctx), tokens[B], warmup,
                                             ctx, on_output=on_output)))
             if device_steps:
-                dev = device_step_times(step, reference.init_cache(cfg, B, ctx), jnp.asarray(tokens[B][0], jnp.int32),
-                                        device_steps)
+                dev, row["device_ops"] = device_step_profile(step, reference.init_cache(cfg, B, ctx),
+                                                             jnp.asarray(tokens[B][0], jnp.int32), device_steps)
                 row["device_median_ms"] = statistics.median(dev) * 1e3 if dev else None
         except Exception as e:                     # a case that does not compile or run: say why, go on
             msg = str(e).strip().splitlines()
@@ -376,8 +386,11 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
         row["wall_s"] = time.perf_counter() - t0
         results[impl, B] = row
         bar.update(1)
+        ops = row.get("device_ops")
         log(f"B={B} {impl}: " + (f"median {row['median_ms']:.3f} ms (min {row['min_ms']:.3f}, max {row['max_ms']:.3f}), "
-                                 if row["median_ms"] is not None else f"{row['error']}, ") + f"{row['wall_s']:.1f} s")
+                                 if row["median_ms"] is not None else f"{row['error']}, ")
+            + (f"device {ops['step_ms']:.3f} ms: {ops['ops']:.0f} ops, {ops['idle_ms']:.3f} ms idle between them, " if ops else "")
+            + f"{row['wall_s']:.1f} s")
 
     # The kernel first (its packed weights are freed before the XLA steps, whose temporaries are GBs
     # at B = 8); then the XLA steps, each compiled when its case starts; the xla step's routing gives

@@ -136,6 +136,11 @@ def step_device_seconds(events: Sequence[DeviceEvent], steps: int) -> list[float
     plane, the 'XLA Modules' program that ran at least `steps` times with the most time in all (a
     step's helpers, e.g. a fresh cache, are programs of their own). [] when the trace has none (a CPU).
     events: `device_event_list`'s."""
+    return [e.dur_ns / 1e9 for e in _step_runs(events, steps)]
+
+
+def _step_runs(events: Sequence[DeviceEvent], steps: int) -> list[DeviceEvent]:
+    """The last `steps` executions of the traced step program (see `step_device_seconds`), in order."""
     mods = [e for e in events if e.line == "XLA Modules"]
     if not mods:
         return []
@@ -148,4 +153,69 @@ def step_device_seconds(events: Sequence[DeviceEvent], steps: int) -> list[float
     if not runs:
         return []
     name = max(runs, key=lambda n: sum(e.dur_ns for e in runs[n]))
-    return [e.dur_ns / 1e9 for e in sorted(runs[name], key=lambda e: e.start_ns)[-steps:]]
+    return sorted(runs[name], key=lambda e: e.start_ns)[-steps:]
+
+
+def _op_kind(name: str) -> str:
+    """An op's name without XLA's '.N' suffix and HLO text ('%fusion.12 = ...' -> 'fusion')."""
+    name = name.split(" = ")[0].lstrip("%")
+    base, _, tail = name.rpartition(".")
+    return base if base and tail.isdigit() else name
+
+
+def step_op_breakdown(xplane, steps: int, top: int = 12) -> dict | None:
+    """What the device did inside the last `steps` executions of the step program, per step on
+    average, from the 'XLA Ops' line of the program's plane: `ops` (executions), `busy_ms` (the union
+    of their intervals), `idle_ms` (the program's time no op covers: launches, pipeline drains and
+    waits between ops), `by_kind` {op name without '.N': ms} and `top` [{"kind", "count", "ms"}] of the
+    `top` kinds with the most time, plus `categories` {hlo_category: ms} where the trace's events
+    carry that stat. None where the trace has no such program (a CPU). xplane: as `profile_data`."""
+    data = profile_data(xplane)
+    events = [DeviceEvent(plane.name, line.name, e.name, e.start_ns, e.duration_ns)
+              for plane in data.planes if plane.name.startswith("/device:")
+              for line in plane.lines if line.name == "XLA Modules" for e in line.events]
+    runs = _step_runs(events, steps)
+    if not runs:
+        return None
+    plane = runs[0].plane
+    ops = []                                     # (start, end, name, category)
+    for pl in data.planes:
+        if pl.name != plane:
+            continue
+        for line in pl.lines:
+            if line.name != "XLA Ops":
+                continue
+            for e in line.events:
+                cat = None
+                try:
+                    cat = next((str(v) for k, v in e.stats if k == "hlo_category"), None)
+                except Exception:                # stats this reader cannot decode: no category
+                    pass
+                ops.append((e.start_ns, e.start_ns + e.duration_ns, e.name, cat))
+    ops.sort()
+    n_ops = busy = idle = 0.0
+    by_kind: dict[str, float] = {}
+    count: dict[str, int] = {}
+    cats: dict[str, float] = {}
+    for run in runs:
+        lo, hi = run.start_ns, run.start_ns + run.dur_ns
+        inside = [o for o in ops if o[0] >= lo and o[1] <= hi]
+        covered, reach = 0, lo
+        for s, e, name, cat in inside:
+            covered += max(0, e - max(s, reach))
+            reach = max(reach, e)
+            kind = _op_kind(name)
+            by_kind[kind] = by_kind.get(kind, 0.0) + (e - s)
+            count[kind] = count.get(kind, 0) + 1
+            if cat:
+                cats[cat] = cats.get(cat, 0.0) + (e - s)
+        n_ops += len(inside)
+        busy += covered
+        idle += run.dur_ns - covered
+    k = len(runs)
+    ms = lambda ns: ns / k / 1e6
+    ranked = sorted(by_kind, key=by_kind.get, reverse=True)
+    return {"steps": k, "step_ms": sum(r.dur_ns for r in runs) / k / 1e6, "ops": n_ops / k, "busy_ms": ms(busy),
+            "idle_ms": ms(idle), "by_kind": {n: round(ms(by_kind[n]), 4) for n in ranked},
+            "top": [{"kind": n, "count": count[n] / k, "ms": round(ms(by_kind[n]), 4)} for n in ranked[:top]],
+            "categories": {c: round(ms(v), 4) for c, v in sorted(cats.items(), key=lambda x: -x[1])}}
