@@ -12,7 +12,10 @@ matmuls and result pops), its MXU weight pushes, and the histogram of its vector
   int4.dot        int4 weights, `jnp.dot(x, w_int4)` (what vLLM TPU's fused MoE kernel writes)
   int4.astype     the same with `w.astype(bf16)` written out
   mxfp4.UNPACK    mk's fused MXFP4 product (`mk.perf.microbench.dequant_call`), every unpack v5e lowers
-  cand.NAME       candidate unpacks of E2M1 codes from the native int4 unpack (`CANDIDATES`)
+  cand.NAME       candidate unpacks of E2M1 codes from the native int4 unpack (`CANDIDATES`);
+                  cand.native_scale_only is a floor: the native unpack and the scale's one multiply
+  floor.bf16_exponent  the other floor: int4 -> bf16 natively and one integer add of the scale's
+                  exponent per pair of weights (no zero mask, no E2M1 mapping)
 
 Run from the repo root, on any machine (no TPU needed):
     python3 docs/tpu-v5e/llo_unpack.py [--json] [--keep DIR]
@@ -104,8 +107,36 @@ def _native_denormal_one_multiply(x, e):
     return jax.lax.bitcast_convert_type(f * scale, jnp.int32)
 
 
+def _native_scale_only(x, e):
+    """A floor, not an unpack: the native int4 -> f32 conversion and the one multiply by the group's
+    2^(s - 127) that any exact scale in f32 costs, with no E2M1 mapping at all."""
+    import jax
+    import jax.numpy as jnp
+    scale = jax.lax.bitcast_convert_type(e + (1 << 23), jnp.float32)
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32) * scale, jnp.int32)
+
+
 CANDIDATES = {"native_select": _native_select, "native_denormal": _native_denormal,
-              "native_denormal_one_multiply": _native_denormal_one_multiply}
+              "native_denormal_one_multiply": _native_denormal_one_multiply,
+              "native_scale_only": _native_scale_only}
+
+
+def _bf16_exponent_kernel(x_ref, w_ref, s_ref, o_ref):
+    """A floor in bf16: int4 -> bf16 natively (`w.astype(bf16)`), then one integer add per pair of
+    weights (the group's exponent in both 16-bit halves, as 'pairs' lays it), no zero mask, no E2M1
+    mapping. w_ref [2, K, N] int4, s_ref [2, K / 128, N] int32 (mk's scale words)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+    from mk.kernel.ring import group_exponents, _rows
+    from mk.model.config import MX_GROUP
+
+    def product(t):
+        w = pltpu.bitcast(w_ref[t].astype(jnp.bfloat16), jnp.int32)                  # [K / 2, N] pairs
+        e = (group_exponents(s_ref.at[t]) - 1) << 7
+        w = w + _rows(e | (e << 16), MX_GROUP // 2)
+        return jnp.dot(x_ref[...], pltpu.bitcast(w, jnp.bfloat16), preferred_element_type=jnp.float32)
+    _loop(o_ref, product)
 
 
 def cases():
@@ -134,6 +165,10 @@ def cases():
                            out_specs=vmem, name=f"llo_cand_{cand}")
         rows.append((f"cand.{cand}", f, (x, jax.ShapeDtypeStruct((2, K, N), jnp.int4),
                                          jax.ShapeDtypeStruct((2, K // 128, N), jnp.int32))))
+    f = pl.pallas_call(_bf16_exponent_kernel, out_shape=out, in_specs=[vmem] * 3, out_specs=vmem,
+                       name="llo_floor_bf16_exponent")
+    rows.append(("floor.bf16_exponent", f, (x, jax.ShapeDtypeStruct((2, K, N), jnp.int4),
+                                            jax.ShapeDtypeStruct((2, K // 128, N), jnp.int32))))
     return rows
 
 
