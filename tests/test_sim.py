@@ -573,3 +573,21 @@ def test_simulate_routed_from_a_bench_file(capsys):
     assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1", "--experts", "mxfp4",
                  "--routed-from", bench]) == 2
     assert "benched bf16 experts, not --experts mxfp4" in capsys.readouterr().err
+
+
+def test_dequant_packing_follows_the_v5e_tile_counts():
+    """A smaller MXFP4 tile's unpack costs the v5e more per weight (its LLO bundles per weight, not its
+    ops): the schedule scales the unpack's vector ops by `dequant_packing`; other chips are uncounted."""
+    from mk.kernel.schedule import dequant_packing, schedule
+    from mk.kernel.plan import make_plan
+    from mk.model.config import get_config
+    assert dequant_packing("v5e", "pairs_mul", 512, 512) == 1.0
+    assert dequant_packing("v5e", "pairs_mul", 256, 256) > dequant_packing("v5e", "pairs_mul", 512, 256) > 1.0
+    assert dequant_packing("tpu7x", "bitcast", 256, 256) == 1.0
+    cfg = get_config("k3-d12")
+    per_weight = {}
+    for tile in ((512, 512), (256, 256)):
+        plan = make_plan(cfg, 1, chip="v5e", experts="mxfp4", tile=tile)
+        ph = [p for p in schedule(plan)[1] if p.vector_ops and p.name.startswith("expert")]
+        per_weight[tile] = ph[0].vector_ops                # the same matrix, unpadded weights
+    assert per_weight[256, 256] / per_weight[512, 512] == pytest.approx(1.263, rel=0.02)

@@ -233,13 +233,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     ap.add_argument("--keep", type=Path, help="dump directory to keep (default: a temporary one)")
     ap.add_argument("--only", help="comma-separated case names")
+    ap.add_argument("--tile", default="512x512", help="the weight tile KxN (default 512x512, k3-chip's; the "
+                    "depth family's plan takes 256x256)")
     a = ap.parse_args(argv)
+    global K, N
+    K, N = (int(v) for v in a.tile.lower().split("x"))
     dump = a.keep or Path(tempfile.mkdtemp(prefix="mk-llo-"))
     dump.mkdir(parents=True, exist_ok=True)
     _set_dump(dump)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import jax
     from mk.kernel.aot import _compile, _topology
+    from mk.perf import microbench
+    microbench.DEQ_K, microbench.DEQ_N = K, N                  # mk's cases at the same tile
 
     device = _topology("v5e:2x2").devices[0]
     res = {}

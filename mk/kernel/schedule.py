@@ -59,6 +59,23 @@ def dequant_ops(mxfp4_matmul: str, unpack: str) -> float:
     return DEQUANT_OPS[mxfp4_matmul, unpack]
 
 
+# How much worse a smaller tile's unpack packs into VLIW bundles than the 512 x 512 tile's (whose
+# rate `mk microbench` measures): the v5e's deviceless LLO of one tile times an 8-row LHS, bundles
+# per weight over the 512 x 512 tile's (`docs/tpu-v5e/llo_unpack.py --tile KxN`,
+# docs/tpu-v5e/2026-12-06g/llo-tiles-v5e.json). The ALU ops per weight barely change (5.77 -> 5.95
+# per 1024 for 'pairs_mul'); the bundles do: a smaller tile fills fewer of the four ALU slots.
+# Chips without a count: 1.
+DEQUANT_TILE_PACKING = {
+    ("v5e", "pairs_mul"): {(512, 512): 1.0, (512, 256): 1.084, (256, 512): 1.176, (256, 256): 1.263},
+    ("v5e", "pairs"): {(512, 512): 1.0, (512, 256): 1.077, (256, 512): 1.177, (256, 256): 1.243},
+}
+
+
+def dequant_packing(chip: str, unpack: str, tile_k: int, tile_n: int) -> float:
+    """`DEQUANT_TILE_PACKING` for this chip, unpack and tile; 1 where not counted."""
+    return DEQUANT_TILE_PACKING.get((chip, unpack), {}).get((tile_k, tile_n), 1.0)
+
+
 def _mix_flops(cfg, rows: int, n_blocks: int) -> int:
     """AttnRes mixing of `n_blocks` snapshots + the prefix, then the RMSNorm (fp32 ops)."""
     return rows * (n_blocks + 1) * cfg.dim * 8 + rows * cfg.dim * 4
@@ -185,7 +202,8 @@ def megakernel(plan, distinct_experts: list[float]):
         if m.format == "fp8":
             dtype = "fp8"
         elif m.format == "mxfp4":
-            dtype, ops = o.mxfp4_matmul, dequant_ops(o.mxfp4_matmul, plan.mxfp4_unpack)
+            dtype, ops = o.mxfp4_matmul, (dequant_ops(o.mxfp4_matmul, plan.mxfp4_unpack)
+                                          * dequant_packing(plan.chip, plan.mxfp4_unpack, plan.tile_k, plan.tile_n))
         return b.phase(l, tensor, "mxu", consumes=(l, tensor), rows=max(1, round(rows)), dtype=dtype,
                        flops=int(2 * rows * m.k_pad * m.n_pad * scale), vector_ops=int(ops * m.k * m.n * scale), **kw)
 
