@@ -5,6 +5,10 @@ simulator's modelled phases for the same plan. JSON on stdout: {"record": {...} 
 
     python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 1 --experts bf16
 
+With jax 0.10.2's libtpu on a v5e (2026-12-06g) the trace held per-engine busy lines (MXU, Vector
+ALU, ...) and `bundle.N` events but none of the kernel's named regions: the script reports each
+engine's busy time then ("engines_busy_ms"), and the phases where a trace has them.
+
 Region tracing instruments the kernel (each region start and stop is an instruction), so the traced
 step is slower than the plain one; `instrumented_ms` is its time, `plain_ms` the same step untraced
 by regions is not measured here (`mk bench` measures it). Shares of the step are what to read.
@@ -24,6 +28,11 @@ import time
 # A phase's group: the first word of its name (kernel regions 'kda_projections', modelled phases
 # 'kda.in', 'expert[3].gu'), these renamed so that both sides use one set.
 GROUPS = {"expert": "moe", "routing": "moe", "attn": "mix", "mlp": "mix", "final": "mix", "lm": "lm_head"}
+
+
+# The per-engine activity events of an LLO-annotated trace (phase-k3d48-bf16-b1.json, 2026-12-06g).
+ENGINES = {"MXU", "Vector ALU", "Vector Load", "Vector Store", "Scalar ALU", "XLU", "Vector EUP", "Vector Spills",
+           "Vector Fills"}
 
 
 def group(name: str) -> str:
@@ -94,7 +103,20 @@ def main(argv=None) -> int:
         return 1
     line = statistics.mode(e.line for e in kern if e.plane == planes[0])
     kern = [e for e in kern if e.plane == planes[0] and e.line == line][-args.steps:]
-    cand = [e for e in events if e.plane == planes[0] and e.line not in SUMMARY_LINES and e.line != line]
+    inside = [e for e in events if e.plane == planes[0] and e.line not in SUMMARY_LINES and e.line != line]
+    # With --xla_xprof_register_llo_debug_info libtpu (jax 0.10.2) writes one line per engine (MXU,
+    # Vector ALU, ...) whose events are its busy spans, plus `bundle.N` events: activity, not regions.
+    engine_lines = {e.line for e in inside if e.name == e.line or e.name in ENGINES}
+    cand = [e for e in inside if e.line not in engine_lines and not e.name.startswith("bundle.")]
+    busy = {}                                    # engine line -> its busy union per kernel execution, ms
+    for ln in sorted(engine_lines):
+        spans = sorted((e.start_ns, e.start_ns + e.dur_ns) for e in inside if e.line == ln)
+        total, reach = 0, None
+        for lo, hi in spans:
+            reach = lo if reach is None else max(reach, lo)
+            total += max(0, hi - reach)
+            reach = max(reach, hi)
+        busy[ln] = total / 1e6 / max(len(kern), 1)
     top_ms: dict[str, float] = {}
     all_ms: dict[str, float] = {}
     count: dict[str, int] = {}
@@ -115,8 +137,10 @@ def main(argv=None) -> int:
         cover.append(sum(e.dur_ns for e, t in zip(r, top) if t) / k.dur_ns)
     step_ms = statistics.median(k.dur_ns / 1e6 for k in kern)
     if not top_ms:
-        log(f"the trace holds no regions inside the kernel (lines {sorted({e.line for e in events})}); "
+        log(f"the trace holds no named regions inside the kernel (lines {sorted({e.line for e in events})}); "
             f"LIBTPU_INIT_ARGS={flags}")
+    for ln, ms in sorted(busy.items(), key=lambda x: -x[1]):
+        log(f"engine {ln:14s} busy {ms:7.3f} ms per step ({ms / statistics.median(k.dur_ns / 1e6 for k in kern):5.1%})")
     modelled = sim.simulate(plan, chip_machine(hw_chip), record=True)
     m_ms = {n: v * 1e3 for n, v in modelled.time_by("name").items()}
     groups = sorted({group(n) for n in top_ms} | {group(n) for n in m_ms})
@@ -128,11 +152,15 @@ def main(argv=None) -> int:
                      "modelled_ms": round(mod, 4), "modelled_share": round(mod / (modelled.step_time * 1e3), 4)})
         log(f"{g:12s} measured {meas:7.3f} ms ({meas / step_ms:5.1%})   modelled {mod:7.3f} ms")
     summary = (f"kernel {args.config} {args.experts} B={args.batch}, region-traced {step_ms:.3f} ms per step; "
-               + ", ".join(f"{r['group']} {r['measured_share']:.0%}" for r in sorted(rows, key=lambda r: -r['measured_ms'])[:5]))
+               + (", ".join(f"{r['group']} {r['measured_share']:.0%}" for r in sorted(rows, key=lambda r: -r['measured_ms'])[:5])
+                  if top_ms else "no named regions in the trace")
+               + ("; engines busy: " + ", ".join(f"{ln} {ms / step_ms:.0%}" for ln, ms in
+                                                 sorted(busy.items(), key=lambda x: -x[1])[:4]) if busy else ""))
     record = provenance("phase_trace", {"config": args.config, "experts": args.experts, "batch": args.batch}, summary)
     record["command"] = " ".join(["python3 docs/tpu-v5e/phase_trace.py"] + list(sys.argv[1:] if argv is None else argv))
     out = {"record": record, "rows": rows, "instrumented_ms": [k.dur_ns / 1e6 for k in kern],
-           "modelled_step_ms": modelled.step_time * 1e3, "coverage": cover, "line": line, "plane": planes[0],
+           "modelled_step_ms": modelled.step_time * 1e3, "coverage": cover,
+           "engines_busy_ms": {ln: round(ms, 4) for ln, ms in busy.items()}, "line": line, "plane": planes[0],
            "tile": [plan.tile_k, plan.tile_n], "prefetch_depth": plan.prefetch_depth, "libtpu_flags": flags,
            "regions": {n: {"top_ms": round(top_ms.get(n, 0.0), 4), "all_ms": round(all_ms[n], 4),
                            "per_step": count[n] / len(kern)} for n in sorted(all_ms, key=all_ms.get, reverse=True)},

@@ -461,11 +461,20 @@ def records_figure(records):
     impls = {}
     for r in rows:
         impls.setdefault(run(r), set()).add(r["impl"])
+    def order(r):                                         # bf16 first, then by depth, then batch
+        try:
+            layers = get_config(r.get("config")).layers
+        except Exception:                                 # a checkpoint's config: after the presets
+            layers = 1 << 20
+        return (r.get("experts") != "bf16", layers, str(r.get("config")), r["batch"])
+    peer_fmt = {run(r): r.get("peer_format") for r in rows if r["impl"] == "peer"}
     groups, values = [], {}
-    for r in rows:
+    for r in sorted(rows, key=order):
         if len(impls[run(r)]) < 2:
             continue                                      # the kernel alone: no comparison to draw
-        g = f"{r.get('config')} {r.get('experts')}<br>B = {r['batch']}"
+        pf = peer_fmt.get(run(r))
+        g = (f"{r.get('config')} {r.get('experts')}" + (f" (peer {pf})" if pf and pf != r.get("experts") else "")
+             + f"<br>B = {r['batch']}")
         groups.append(g) if g not in groups else None
         values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     if not values:
