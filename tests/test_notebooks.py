@@ -340,3 +340,25 @@ def test_step_op_breakdown_splits_a_step_into_ops_and_idle():
     assert [t["kind"] for t in b["top"]] == ["fused_moe", "fusion", "copy"] and b["top"][0]["count"] == 1
     assert b["categories"] == pytest.approx({"custom-call": 0.0045, "convolution fusion": 0.003})
     assert step_op_breakdown(ProfileData.from_text_proto(OPS_XSPACE), 3) is None     # no program ran 3 times
+
+
+def test_kernel_regions_read_tracemes_not_the_engines():
+    """A region-traced kernel's named scopes are on 'XLA TraceMe' (libtpu's TraceMeStart / TraceMeEnd
+    vtraces); the LLO debug info's engine lines (busy spans named as the engine) and `bundle.N`
+    markers are activity, not regions."""
+    import pandas as pd
+
+    from mk.notebooks.helpers import kernel_regions
+    P = "/device:TPU:0"
+    ev = pd.DataFrame([
+        (P, "XLA Ops", "%k3_decode_step.1 = custom-call", 0, 100),
+        (P, "XLA Modules", "jit_step", 0, 100),
+        (P, "XLA TraceMe", "moe_experts", 10, 40),
+        (P, "XLA TraceMe", "kda_projections", 60, 30),
+        (P, "MXU", "MXU", 0, 95),
+        (P, "Vector ALU", "Vector ALU", 5, 50),
+        (P, "XLA TraceMe", "bundle.134217729", 20, 0),
+    ], columns=["plane", "line", "name", "start_ns", "dur_ns"])
+    ops = ev[ev.line == "XLA Ops"]
+    reg = kernel_regions(ev, ops)
+    assert sorted(reg.name) == ["kda_projections", "moe_experts"] and reg.top.all()

@@ -6,8 +6,10 @@ simulator's modelled phases for the same plan. JSON on stdout: {"record": {...} 
     python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 1 --experts bf16
 
 With jax 0.10.2's libtpu on a v5e (2026-12-06g) the trace held per-engine busy lines (MXU, Vector
-ALU, ...) and `bundle.N` events but none of the kernel's named regions: the script reports each
-engine's busy time then ("engines_busy_ms"), and the phases where a trace has them.
+ALU, ...) and `bundle.N` markers, and this script then looked for regions everywhere but 'XLA TraceMe',
+where the TraceMeStart / TraceMeEnd `vtrace` pairs that libtpu makes of the named scopes (its LLO
+says so) most likely land: it now reads that line, reports each engine's busy time
+("engines_busy_ms") and what each line holds ("lines_inside").
 
 Region tracing instruments the kernel (each region start and stop is an instruction), so the traced
 step is slower than the plain one; `instrumented_ms` is its time, `plain_ms` the same step untraced
@@ -28,11 +30,6 @@ import time
 # A phase's group: the first word of its name (kernel regions 'kda_projections', modelled phases
 # 'kda.in', 'expert[3].gu'), these renamed so that both sides use one set.
 GROUPS = {"expert": "moe", "routing": "moe", "attn": "mix", "mlp": "mix", "final": "mix", "lm": "lm_head"}
-
-
-# The per-engine activity events of an LLO-annotated trace (phase-k3d48-bf16-b1.json, 2026-12-06g).
-ENGINES = {"MXU", "Vector ALU", "Vector Load", "Vector Store", "Scalar ALU", "XLU", "Vector EUP", "Vector Spills",
-           "Vector Fills"}
 
 
 def group(name: str) -> str:
@@ -63,11 +60,11 @@ def main(argv=None) -> int:
     from mk.model.params import init_fast
     from mk.kernel.decode import KERNEL_NAME
     from mk.kernel.plan import make_plan
-    from mk.notebooks.helpers import SUMMARY_LINES, _is_kernel_op, chip_machine, outermost
+    from mk.notebooks.helpers import _is_kernel_op, chip_machine, outermost
     from mk.perf import sim
     from mk.perf.bench import _kernel_step, chip_of_device
     from mk.perf.results import provenance
-    from mk.perf.trace import device_event_list, profile_data
+    from mk.perf.trace import ENGINES, NOT_REGION_LINES, device_event_list, is_region_event, profile_data
 
     chips = chip_of_device(jax.devices()[0].device_kind)
     if jax.default_backend() != "tpu" or not chips:
@@ -103,11 +100,17 @@ def main(argv=None) -> int:
         return 1
     line = statistics.mode(e.line for e in kern if e.plane == planes[0])
     kern = [e for e in kern if e.plane == planes[0] and e.line == line][-args.steps:]
-    inside = [e for e in events if e.plane == planes[0] and e.line not in SUMMARY_LINES and e.line != line]
-    # With --xla_xprof_register_llo_debug_info libtpu (jax 0.10.2) writes one line per engine (MXU,
-    # Vector ALU, ...) whose events are its busy spans, plus `bundle.N` events: activity, not regions.
+    inside = [e for e in events if e.plane == planes[0] and e.line not in NOT_REGION_LINES and e.line != line]
     engine_lines = {e.line for e in inside if e.name == e.line or e.name in ENGINES}
-    cand = [e for e in inside if e.line not in engine_lines and not e.name.startswith("bundle.")]
+    cand = [e for e in inside if is_region_event(e.line, e.name) and e.line not in engine_lines]
+    lines_inside = {}                            # line -> events per traced step, and a few names: what the trace holds
+    for e in inside:
+        c = lines_inside.setdefault(e.line, {"events": 0, "names": []})
+        c["events"] += 1
+        if len(c["names"]) < 8 and e.name not in c["names"]:
+            c["names"].append(e.name)
+    for c in lines_inside.values():
+        c["events"] /= max(len(kern), 1)
     busy = {}                                    # engine line -> its busy union per kernel execution, ms
     for ln in sorted(engine_lines):
         spans = sorted((e.start_ns, e.start_ns + e.dur_ns) for e in inside if e.line == ln)
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
     record["command"] = " ".join(["python3 docs/tpu-v5e/phase_trace.py"] + list(sys.argv[1:] if argv is None else argv))
     out = {"record": record, "rows": rows, "instrumented_ms": [k.dur_ns / 1e6 for k in kern],
            "modelled_step_ms": modelled.step_time * 1e3, "coverage": cover,
-           "engines_busy_ms": {ln: round(ms, 4) for ln, ms in busy.items()}, "line": line, "plane": planes[0],
+           "engines_busy_ms": {ln: round(ms, 4) for ln, ms in busy.items()}, "lines_inside": lines_inside, "line": line, "plane": planes[0],
            "tile": [plan.tile_k, plan.tile_n], "prefetch_depth": plan.prefetch_depth, "libtpu_flags": flags,
            "regions": {n: {"top_ms": round(top_ms.get(n, 0.0), 4), "all_ms": round(all_ms[n], 4),
                            "per_step": count[n] / len(kern)} for n in sorted(all_ms, key=all_ms.get, reverse=True)},

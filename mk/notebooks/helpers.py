@@ -399,12 +399,15 @@ def outermost(start, end) -> np.ndarray:
 def kernel_regions(ev, ops):
     """The named regions inside the kernel's executions (`jax.named_scope` in the kernel body becomes
     a trace region when libtpu runs with --xla_enable_custom_call_region_trace=true): events of the
-    kernel's plane, on lines other than the summaries (`SUMMARY_LINES`) and not the kernel op itself,
+    kernel's plane that may be regions (`mk.perf.trace.is_region_event`: 'XLA TraceMe' and other lines,
+    not the engines' busy lines of --xla_xprof_register_llo_debug_info) and not the kernel op itself,
     that lie within an execution. Columns: step (index of the execution), name, line, start_ns,
     dur_ns, top (not inside another region of the same step). Empty when the trace has none."""
     import pandas as pd
     plane = ops.plane.iloc[0]
-    cand = ev[(ev.plane == plane) & ~ev.line.isin(SUMMARY_LINES) & ~ev.name.isin(set(ops.name))]
+    from mk.perf.trace import is_region_event
+    region = np.array([is_region_event(line, name) for line, name in zip(ev["line"], ev["name"])], bool)
+    cand = ev[(ev.plane == plane) & region & ~ev.name.isin(set(ops.name)) & (ev.line != ops.line.iloc[0])]
     parts = []
     for i, op in enumerate(ops.itertuples()):
         end = op.start_ns + op.dur_ns

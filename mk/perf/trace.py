@@ -88,6 +88,19 @@ def write_trace(results, path: str | os.PathLike) -> str:
 
 # ---- reading a measured trace back (jax.profiler -> XProf's xplane) -------------------------------
 SUMMARY_LINES = ("XLA Modules", "Steps", "XLA TraceMe", "Framework Ops", "Framework Name Scope")
+# Where a kernel's named regions are not: the program and step lines, and the framework's op names.
+# With --xla_enable_custom_call_region_trace libtpu lowers each `jax.named_scope` of a Pallas kernel to a
+# `vtrace` pair (TraceMeStart(name) / TraceMeEnd(name) in the LLO), whose spans land on 'XLA TraceMe'.
+NOT_REGION_LINES = ("XLA Modules", "Steps", "Framework Ops", "Framework Name Scope")
+# --xla_xprof_register_llo_debug_info adds one line per engine, its events named as the engine (busy
+# spans), and zero-length `bundle.N` markers: activity, not regions.
+ENGINES = ("MXU", "Vector ALU", "Vector Load", "Vector Store", "Scalar ALU", "XLU", "Vector EUP", "Vector Spills",
+           "Vector Fills")
+
+
+def is_region_event(line: str, name: str) -> bool:
+    """Whether an event on a device plane may be one of a kernel's named regions."""
+    return line not in NOT_REGION_LINES and name not in ENGINES and name != line and not name.startswith("bundle.")
 
 
 def profile_data(xplane):
