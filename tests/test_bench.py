@@ -214,3 +214,15 @@ def test_init_fast_draws_init_families():
     assert set(np.unique(np.asarray(m["scale"]))) == {byte - 1, byte}
     counts = np.bincount(np.asarray(m["packed"]).ravel(), minlength=256)
     assert counts.min() > 0.5 * counts.mean()
+
+
+def test_tile_option_is_checked_before_the_tpu_and_reaches_the_plan(monkeypatch):
+    """`mk bench --tile`: a malformed value is refused in one line before the TPU check; a tile the
+    plan refuses is a BenchError naming --tile (the TPU check bypassed, nothing timed)."""
+    p = subprocess.run([sys.executable, "-m", "mk", "bench", "--tile", "5x"], capture_output=True, text=True,
+                       env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert p.returncode == 2 and len(lines) == 1 and "--tile" in lines[0], p.stderr
+    monkeypatch.setattr(bench, "require_tpu", lambda backend=None: None)
+    with pytest.raises(bench.BenchError, match="--tile"):
+        bench.measure(MINI, batches=(1,), steps=1, warmup=1, impls=("kernel",), progress=False, tile=(100, 100))

@@ -11,7 +11,8 @@ over it), device_speedup (this impl's device time / the kernel's), device_ops (f
 `mk.perf.trace.step_op_breakdown`: ops per step, busy and idle ms between them, ms by op), distinct_experts (per MoE layer, mean over the timed steps), error (why a
 case did not run); peer rows: peer_format, their bytes counting the experts in it; kernel rows: best_other
 (the faster of xla and peer by device time), device_speedup_vs_best and speedup_vs_best (its device and
-wall time / the kernel's). Off a TPU it refuses (exit 2); so does --impl peer where tpu-inference is not
+wall time / the kernel's). `--tile TKxTN` sets the kernel's weight tile (default: the plan's per-model tile;
+the record's key then names it). Off a TPU it refuses (exit 2); so does --impl peer where tpu-inference is not
 installed (`mk.perf.peer`: pip install --no-deps tpu-inference==0.26.0, the release for jax 0.10.2).
 
 `--mode generate` (`mk.perf.bench.measure_generate`, impls kernel and xla): decode tokens/s of the
@@ -50,6 +51,8 @@ def add_parser(subparsers):
     p.add_argument("--peer-format", choices=("bf16", "int8", "int4"), default=None,
                    help="the peer's expert format (default bf16 with --experts bf16, int4 with mxfp4)")
     p.add_argument("--prefetch-depth", type=at_least(0), default=None, help="the kernel's prefetch depth")
+    p.add_argument("--tile", default=None, help="the kernel's weight tile TKxTN, e.g. 512x512 (default: the "
+                   "plan's per-model tile, `mk.kernel.plan.default_tile`)")
     p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "pairs_mul", "shift", "bitcast"), default="auto",
                    help="how the kernel unpacks MXFP4 codes (`mk check --help`); default the chip's")
     p.add_argument("--seed", type=at_least(0), default=0, help="weights and tokens seed")
@@ -70,6 +73,8 @@ def run(args) -> int:
         if not peer.available():
             raise bench.BenchError(f"--impl peer needs {peer.PEER_PACKAGE} {peer.PEER_VERSION}, not importable "
                                    f"here: {peer.INSTALL_HINT}")
+    from mk.cli.kernel import _tile
+    tile = _tile(args.tile)                               # a bad value is said before the TPU too
     bench.require_tpu()                                   # then: nothing is loaded or built on CPU
     batches = int_list(args.batch, "--batch")
     cfg = get_config(args.config)
@@ -77,7 +82,7 @@ def run(args) -> int:
         return _run_generate(args, bench, cfg, batches, impls)
     args.steps = args.steps or 20
     rows = bench.measure(cfg, batches, args.experts, args.steps, args.warmup, impls, args.prefetch_depth,
-                         seed=args.seed, mxfp4_unpack=args.mxfp4_unpack, peer_format=peer_format)
+                         seed=args.seed, mxfp4_unpack=args.mxfp4_unpack, peer_format=peer_format, tile=tile)
     meta = bench.metadata(cfg, args.experts, args.steps, args.warmup,
                           peer_format=peer_format if "peer" in impls else None)
     if args.json:
@@ -87,6 +92,8 @@ def run(args) -> int:
             key["mxfp4_unpack"] = args.mxfp4_unpack
         if args.prefetch_depth is not None:
             key["prefetch_depth"] = args.prefetch_depth
+        if tile is not None:
+            key["tile"] = f"{tile[0]}x{tile[1]}"
         record = provenance("bench", key, bench.summary(rows))
         json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -97,8 +104,8 @@ def run(args) -> int:
 
 def _run_generate(args, bench, cfg, batches, impls) -> int:
     steps = args.steps or 128
-    if args.prefetch_depth is not None:
-        raise bench.BenchError("--prefetch-depth is a --mode step option")
+    if args.prefetch_depth is not None or args.tile is not None:
+        raise bench.BenchError("--prefetch-depth and --tile are --mode step options")
     rows = bench.measure_generate(cfg, batches, args.experts, impls, steps, args.chunk, seed=args.seed,
                                   mxfp4_unpack=args.mxfp4_unpack)
     meta = dict(bench.metadata(cfg, args.experts, steps, 1), mode="generate", chunk=args.chunk)

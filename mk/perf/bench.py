@@ -305,13 +305,14 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
             warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | None = None,
             params: dict | None = None, *, seed: int = 0, ctx: int = 256, progress: bool = True,
             microbench_csv=None, device_steps: int = 5, mxfp4_unpack: str = "auto",
-            peer_format: str | None = None) -> list[dict]:
+            peer_format: str | None = None, tile: tuple[int, int] | None = None) -> list[dict]:
     """Time each impl at each batch on this TPU; returns rows (see `mk.cli.bench` for the fields).
     peer_format: the peer's expert format (`mk.perf.peer.PEER_FORMATS`; default `default_peer_format`).
 
     device_steps: that many more steps of each case under `jax.profiler`, for the step program's
     device time (`device_median_ms`, next to the wall clock's `median_ms`); 0: none.
-    mxfp4_unpack: the kernel's `ScheduleOptions.mxfp4_unpack` ('auto': the chip's).
+    mxfp4_unpack: the kernel's `ScheduleOptions.mxfp4_unpack` ('auto': the chip's). tile: the kernel's
+    weight tile (tk, tn); None: the plan's per-model default (`mk.kernel.plan.default_tile`).
 
     params: in `experts` format (MXFP4: the packed tree of `mk.io.checkpoint.load(..., experts=
     "mxfp4")`); default `mk.model.params.init_fast(cfg, seed, experts)` on the device."""
@@ -351,6 +352,8 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     rng = np.random.default_rng(seed)
     tokens = {B: rng.integers(0, cfg.vocab, (warmup + steps, B)).astype(np.int32) for B in batches}
     plan_kw = {} if prefetch_depth is None else {"prefetch_depth": prefetch_depth}
+    if tile is not None:
+        plan_kw["tile"] = tuple(tile)
     if mxfp4_unpack != "auto":
         import dataclasses
         from mk.kernel.plan import MK
@@ -358,8 +361,8 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     try:
         plans = {B: make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw) for B in batches}
     except PlanError as e:
-        raise BenchError(f"the kernel's plan (--prefetch-depth {prefetch_depth}, --mxfp4-unpack {mxfp4_unpack}): "
-                         f"{e}") from None
+        raise BenchError(f"the kernel's plan (--prefetch-depth {prefetch_depth}, --tile {tile}, --mxfp4-unpack "
+                         f"{mxfp4_unpack}): {e}") from None
     distinct: dict[int, list] = {B: [] for B in batches}   # per timed step: distinct experts per layer
     results: dict[tuple, dict] = {}
     bar = tqdm(desc=f"bench {name} {experts}", total=len(batches) * len(impls), leave=False,
