@@ -362,3 +362,50 @@ def test_kernel_regions_read_tracemes_not_the_engines():
     ops = ev[ev.line == "XLA Ops"]
     reg = kernel_regions(ev, ops)
     assert sorted(reg.name) == ["kda_projections", "moe_experts"] and reg.top.all()
+
+
+PHASES_XSPACE = '''
+planes { id: 1 name: "/device:TPU:0"
+  lines { id: 1 name: "XLA Modules" timestamp_ns: 0
+    events { metadata_id: 9 offset_ps: 0 duration_ps: 100000 }
+    events { metadata_id: 9 offset_ps: 200000 duration_ps: 100000 } }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 100000 }
+    events { metadata_id: 1 offset_ps: 200000 duration_ps: 100000 } }
+  lines { id: 3 name: "XLA TraceMe" timestamp_ns: 0
+    events { metadata_id: 2 offset_ps: 10000 duration_ps: 50000 }
+    events { metadata_id: 3 offset_ps: 20000 duration_ps: 10000 }
+    events { metadata_id: 4 offset_ps: 70000 duration_ps: 20000 }
+    events { metadata_id: 5 offset_ps: 30000 duration_ps: 0 }
+    events { metadata_id: 2 offset_ps: 210000 duration_ps: 70000 } }
+  lines { id: 4 name: "MXU" timestamp_ns: 0
+    events { metadata_id: 6 offset_ps: 0 duration_ps: 40000 }
+    events { metadata_id: 6 offset_ps: 20000 duration_ps: 40000 }
+    events { metadata_id: 6 offset_ps: 200000 duration_ps: 20000 } }
+  event_metadata { key: 1 value { id: 1 name: "%k3_decode_step.1 = f32[8,128] custom-call(%p)" } }
+  event_metadata { key: 2 value { id: 2 name: "moe_experts" } }
+  event_metadata { key: 3 value { id: 3 name: "collective_moe_routed" } }
+  event_metadata { key: 4 value { id: 4 name: "lm_head" } }
+  event_metadata { key: 5 value { id: 5 name: "bundle.134217729" } }
+  event_metadata { key: 6 value { id: 6 name: "MXU" } }
+  event_metadata { key: 9 value { id: 9 name: "jit_step" } }
+}
+'''
+
+
+def test_kernel_phases_split_a_region_traced_kernel():
+    """docs/tpu-v5e/phase_trace.py's reading of a region-traced step (`kernel_phases`): the
+    outermost named regions per execution from 'XLA TraceMe' (a nested one counted once, the LLO
+    debug info's markers left out), each engine line's busy union, and what each line holds."""
+    from jax.profiler import ProfileData
+
+    from mk.perf.trace import device_event_list, kernel_phases
+    ph = kernel_phases(device_event_list(ProfileData.from_text_proto(PHASES_XSPACE)), "k3_decode_step", 2)
+    assert ph["line"] == "XLA Ops" and ph["kernel_ms"] == pytest.approx([1e-4, 1e-4])
+    # per execution (2): moe_experts (50 + 70) / 2 ns, lm_head 20 / 2; the nested collective not in top
+    assert ph["top_ms"] == pytest.approx({"moe_experts": 6e-5, "lm_head": 1e-5})
+    assert ph["all_ms"]["collective_moe_routed"] == pytest.approx(5e-6) and "bundle.134217729" not in ph["all_ms"]
+    assert ph["coverage"] == pytest.approx([0.7, 0.7])
+    assert ph["busy_ms"] == pytest.approx({"MXU": 4e-5})           # (60 + 20) ns over two executions
+    assert ph["lines"]["XLA TraceMe"]["events"] == 2.5 and "MXU" in ph["lines"]
+    assert kernel_phases(device_event_list(ProfileData.from_text_proto(PHASES_XSPACE)), "other", 2) is None

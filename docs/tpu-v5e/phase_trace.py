@@ -54,17 +54,16 @@ def main(argv=None) -> int:
     flags = enable_region_trace()               # before JAX opens the TPU
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from mk.model import reference
     from mk.model.config import get_config
     from mk.model.params import init_fast
     from mk.kernel.decode import KERNEL_NAME
     from mk.kernel.plan import make_plan
-    from mk.notebooks.helpers import _is_kernel_op, chip_machine, outermost
+    from mk.notebooks.helpers import chip_machine
     from mk.perf import sim
     from mk.perf.bench import _kernel_step, chip_of_device
     from mk.perf.results import provenance
-    from mk.perf.trace import ENGINES, NOT_REGION_LINES, device_event_list, is_region_event, profile_data
+    from mk.perf.trace import device_event_list, kernel_phases, profile_data
 
     chips = chip_of_device(jax.devices()[0].device_kind)
     if jax.default_backend() != "tpu" or not chips:
@@ -93,57 +92,16 @@ def main(argv=None) -> int:
         data = profile_data(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
         events = device_event_list(data)
     log(f"{len(events)} device events read in {time.perf_counter() - t0:.1f} s")
-    kern = sorted((e for e in events if _is_kernel_op(e.name, KERNEL_NAME)), key=lambda e: e.start_ns)
-    planes = sorted({e.plane for e in kern})
-    if not kern:
+    ph = kernel_phases(events, KERNEL_NAME, args.steps)
+    if ph is None:
         log(f"no {KERNEL_NAME} executions on the device planes")
         return 1
-    line = statistics.mode(e.line for e in kern if e.plane == planes[0])
-    kern = [e for e in kern if e.plane == planes[0] and e.line == line][-args.steps:]
-    inside = [e for e in events if e.plane == planes[0] and e.line not in NOT_REGION_LINES and e.line != line]
-    engine_lines = {e.line for e in inside if e.name == e.line or e.name in ENGINES}
-    cand = [e for e in inside if is_region_event(e.line, e.name) and e.line not in engine_lines]
-    lines_inside = {}                            # line -> events per traced step, and a few names: what the trace holds
-    for e in inside:
-        c = lines_inside.setdefault(e.line, {"events": 0, "names": []})
-        c["events"] += 1
-        if len(c["names"]) < 8 and e.name not in c["names"]:
-            c["names"].append(e.name)
-    for c in lines_inside.values():
-        c["events"] /= max(len(kern), 1)
-    busy = {}                                    # engine line -> its busy union per kernel execution, ms
-    for ln in sorted(engine_lines):
-        spans = sorted((e.start_ns, e.start_ns + e.dur_ns) for e in inside if e.line == ln)
-        total, reach = 0, None
-        for lo, hi in spans:
-            reach = lo if reach is None else max(reach, lo)
-            total += max(0, hi - reach)
-            reach = max(reach, hi)
-        busy[ln] = total / 1e6 / max(len(kern), 1)
-    top_ms: dict[str, float] = {}
-    all_ms: dict[str, float] = {}
-    count: dict[str, int] = {}
-    cover = []
-    for k in kern:
-        lo, hi = k.start_ns, k.start_ns + k.dur_ns
-        r = [e for e in cand if e.start_ns >= lo and e.start_ns + e.dur_ns <= hi]
-        if not r:
-            continue
-        start = np.array([e.start_ns for e in r])
-        end = start + np.array([e.dur_ns for e in r])
-        top = outermost(start, end)
-        for e, t in zip(r, top):
-            all_ms[e.name] = all_ms.get(e.name, 0.0) + e.dur_ns / 1e6 / len(kern)
-            count[e.name] = count.get(e.name, 0) + 1
-            if t:
-                top_ms[e.name] = top_ms.get(e.name, 0.0) + e.dur_ns / 1e6 / len(kern)
-        cover.append(sum(e.dur_ns for e, t in zip(r, top) if t) / k.dur_ns)
-    step_ms = statistics.median(k.dur_ns / 1e6 for k in kern)
+    top_ms, busy, step_ms = ph["top_ms"], ph["busy_ms"], statistics.median(ph["kernel_ms"])
     if not top_ms:
-        log(f"the trace holds no named regions inside the kernel (lines {sorted({e.line for e in events})}); "
+        log(f"the trace holds no named regions inside the kernel (lines {sorted(ph['lines'])}); "
             f"LIBTPU_INIT_ARGS={flags}")
     for ln, ms in sorted(busy.items(), key=lambda x: -x[1]):
-        log(f"engine {ln:14s} busy {ms:7.3f} ms per step ({ms / statistics.median(k.dur_ns / 1e6 for k in kern):5.1%})")
+        log(f"engine {ln:14s} busy {ms:7.3f} ms per step ({ms / step_ms:5.1%})")
     modelled = sim.simulate(plan, chip_machine(hw_chip), record=True)
     m_ms = {n: v * 1e3 for n, v in modelled.time_by("name").items()}
     groups = sorted({group(n) for n in top_ms} | {group(n) for n in m_ms})
@@ -161,12 +119,13 @@ def main(argv=None) -> int:
                                                  sorted(busy.items(), key=lambda x: -x[1])[:4]) if busy else ""))
     record = provenance("phase_trace", {"config": args.config, "experts": args.experts, "batch": args.batch}, summary)
     record["command"] = " ".join(["python3 docs/tpu-v5e/phase_trace.py"] + list(sys.argv[1:] if argv is None else argv))
-    out = {"record": record, "rows": rows, "instrumented_ms": [k.dur_ns / 1e6 for k in kern],
-           "modelled_step_ms": modelled.step_time * 1e3, "coverage": cover,
-           "engines_busy_ms": {ln: round(ms, 4) for ln, ms in busy.items()}, "lines_inside": lines_inside, "line": line, "plane": planes[0],
-           "tile": [plan.tile_k, plan.tile_n], "prefetch_depth": plan.prefetch_depth, "libtpu_flags": flags,
-           "regions": {n: {"top_ms": round(top_ms.get(n, 0.0), 4), "all_ms": round(all_ms[n], 4),
-                           "per_step": count[n] / len(kern)} for n in sorted(all_ms, key=all_ms.get, reverse=True)},
+    out = {"record": record, "rows": rows, "instrumented_ms": ph["kernel_ms"],
+           "modelled_step_ms": modelled.step_time * 1e3, "coverage": ph["coverage"], "line": ph["line"],
+           "plane": ph["plane"], "engines_busy_ms": {ln: round(ms, 4) for ln, ms in busy.items()},
+           "lines_inside": ph["lines"], "tile": [plan.tile_k, plan.tile_n], "prefetch_depth": plan.prefetch_depth,
+           "libtpu_flags": flags,
+           "regions": {n: {"top_ms": round(top_ms.get(n, 0.0), 4), "all_ms": round(v, 4), "per_step": ph["count"][n] / len(ph["kernel_ms"])}
+                       for n, v in sorted(ph["all_ms"].items(), key=lambda x: -x[1])},
            "modelled_phases_ms": {n: round(v, 4) for n, v in sorted(m_ms.items(), key=lambda x: -x[1])}}
     json.dump(out, sys.stdout, indent=1)
     sys.stdout.write("\n")

@@ -38,7 +38,7 @@ import numpy as np
 
 from mk.model.config import K3Config, get_config
 from mk.errors import UserError
-from mk.perf.trace import SUMMARY_LINES, device_events, host_annotation_count, profile_data  # noqa: F401  (the notebooks read traces with these)
+from mk.perf.trace import SUMMARY_LINES, device_events, host_annotation_count, is_kernel_op, outermost, profile_data  # noqa: F401  (the notebooks read traces with these)
 
 DEFAULT_CONFIG = {"cpu": "mini", "tpu": "k3-chip"}
 PLAN_CONFIG = {"cpu": "k3-slice", "tpu": "k3-chip"}
@@ -361,19 +361,13 @@ def verify_times(params: dict, cfg: K3Config, ks, *, steps: int = 20, warmup: in
 # ------------------------------------------------------------------------------------------------
 # Reading an XProf trace (jax.profiler.trace's *.xplane.pb) back
 # ------------------------------------------------------------------------------------------------
-def _is_kernel_op(name: str, kernel: str) -> bool:
-    """`name`: an op's name, or (XProf's device plane on a TPU) its HLO text '%name.N = (...) custom-call(...)'."""
-    name = name.split(" = ", 1)[0].lstrip("%")
-    return name == kernel or name.startswith(kernel + ".") or name.startswith(kernel + "_")
-
-
 def kernel_ops(ev, kernel: str | None = None):
     """The kernel's executions on the device: the events named after the pallas_call
     (`mk.kernel.decode.KERNEL_NAME`, XLA appends '.N') on one line of the first device plane that has them
     (the line with the most; XLA Ops on a TPU). Raises NotebookError naming what the trace has."""
     if kernel is None:
         from mk.kernel.decode import KERNEL_NAME as kernel
-    hit = ev[ev.name.map(lambda n: _is_kernel_op(n, kernel))]
+    hit = ev[ev.name.map(lambda n: is_kernel_op(n, kernel))]
     if hit.empty:
         planes = sorted(set(ev.plane))
         top = ev.groupby("name").dur_ns.sum().sort_values(ascending=False).head(8).index.tolist() if len(ev) else []
@@ -383,17 +377,6 @@ def kernel_ops(ev, kernel: str | None = None):
     hit = hit[hit.plane == plane]
     line = hit.line.value_counts().index[0]
     return hit[hit.line == line].sort_values("start_ns").reset_index(drop=True)
-
-
-def outermost(start, end) -> np.ndarray:
-    """[n] bool: span i = [start[i], end[i]] lies inside no other span (of identical spans, the
-    first counts as outermost). One sort, O(n log n): a region-traced step has 1e5 spans."""
-    order = np.lexsort((np.arange(len(start)), -np.asarray(end), np.asarray(start)))   # by start, longest first
-    e = np.asarray(end)[order]
-    before = np.concatenate([[np.iinfo(np.int64).min], np.maximum.accumulate(e)[:-1]])  # latest end of any earlier span
-    top = np.empty(len(start), bool)
-    top[order] = e > before
-    return top
 
 
 def kernel_regions(ev, ops):

@@ -19,6 +19,8 @@ import json
 import os
 from typing import NamedTuple, Sequence
 
+import numpy as np
+
 from mk.errors import writable_path
 
 
@@ -232,3 +234,80 @@ def step_op_breakdown(xplane, steps: int, top: int = 12) -> dict | None:
             "idle_ms": ms(idle), "by_kind": {n: round(ms(by_kind[n]), 4) for n in ranked},
             "top": [{"kind": n, "count": count[n] / k, "ms": round(ms(by_kind[n]), 4)} for n in ranked[:top]],
             "categories": {c: round(ms(v), 4) for c, v in sorted(cats.items(), key=lambda x: -x[1])}}
+
+
+def outermost(start, end) -> np.ndarray:
+    """[n] bool: span i = [start[i], end[i]] lies inside no other span (of identical spans, the
+    first counts as outermost). One sort, O(n log n): a region-traced step has 1e5 spans."""
+    order = np.lexsort((np.arange(len(start)), -np.asarray(end), np.asarray(start)))   # by start, longest first
+    e = np.asarray(end)[order]
+    before = np.concatenate([[np.iinfo(np.int64).min], np.maximum.accumulate(e)[:-1]])  # latest end of any earlier span
+    top = np.empty(len(start), bool)
+    top[order] = e > before
+    return top
+
+
+def is_kernel_op(name: str, kernel: str) -> bool:
+    """`name`: an op's name, or (XProf's device plane on a TPU) its HLO text '%name.N = (...) custom-call(...)'."""
+    name = name.split(" = ", 1)[0].lstrip("%")
+    return name == kernel or name.startswith(kernel + ".") or name.startswith(kernel + "_")
+
+
+def kernel_phases(events: Sequence[DeviceEvent], kernel: str, steps: int) -> dict | None:
+    """What a region-traced kernel's trace holds, per execution of the kernel op named `kernel` (XLA
+    appends '.N'; the last `steps` on the first plane that ran it): `kernel_ms` (each execution),
+    `top_ms` / `all_ms` {region: ms per execution} (outermost regions; every region, nested ones
+    too), `count` {region: executions of it}, `coverage` (outermost regions' share of each
+    execution), `busy_ms` {engine line: the union of its busy spans per execution} and `lines`
+    {line: {"events" per execution, a few "names"}}. Regions: `is_region_event`'s events that lie
+    inside an execution, on neither an engine's line nor the op's. None where no execution is found.
+    events: `device_event_list`'s."""
+    import statistics
+
+    is_kernel = lambda name: is_kernel_op(name, kernel)
+    kern = sorted((e for e in events if is_kernel(e.name)), key=lambda e: e.start_ns)
+    if not kern:
+        return None
+    plane = min(e.plane for e in kern)
+    line = statistics.mode(e.line for e in kern if e.plane == plane)
+    kern = [e for e in kern if e.plane == plane and e.line == line][-steps:]
+    n = len(kern)
+    inside = [e for e in events if e.plane == plane and e.line not in NOT_REGION_LINES and e.line != line]
+    engine_lines = {e.line for e in inside if e.name == e.line or e.name in ENGINES}
+    lines: dict[str, dict] = {}
+    for e in inside:
+        c = lines.setdefault(e.line, {"events": 0, "names": []})
+        c["events"] += 1
+        if len(c["names"]) < 8 and e.name not in c["names"]:
+            c["names"].append(e.name)
+    for c in lines.values():
+        c["events"] /= n
+    busy = {}
+    for ln in sorted(engine_lines):
+        total, reach = 0, None
+        for lo, hi in sorted((e.start_ns, e.start_ns + e.dur_ns) for e in inside if e.line == ln):
+            reach = lo if reach is None else max(reach, lo)
+            total += max(0, hi - reach)
+            reach = max(reach, hi)
+        busy[ln] = total / 1e6 / n
+    cand = [e for e in inside if e.line not in engine_lines and is_region_event(e.line, e.name)
+            and not is_kernel(e.name)]
+    top_ms: dict[str, float] = {}
+    all_ms: dict[str, float] = {}
+    count: dict[str, int] = {}
+    coverage = []
+    for k in kern:
+        lo, hi = k.start_ns, k.start_ns + k.dur_ns
+        r = [e for e in cand if e.start_ns >= lo and e.start_ns + e.dur_ns <= hi]
+        if not r:
+            continue
+        start = np.array([e.start_ns for e in r])
+        top = outermost(start, start + np.array([e.dur_ns for e in r]))
+        for e, t in zip(r, top):
+            all_ms[e.name] = all_ms.get(e.name, 0.0) + e.dur_ns / 1e6 / n
+            count[e.name] = count.get(e.name, 0) + 1
+            if t:
+                top_ms[e.name] = top_ms.get(e.name, 0.0) + e.dur_ns / 1e6 / n
+        coverage.append(sum(e.dur_ns for e, t in zip(r, top) if t) / k.dur_ns)
+    return {"kernel_ms": [k.dur_ns / 1e6 for k in kern], "plane": plane, "line": line, "top_ms": top_ms,
+            "all_ms": all_ms, "count": count, "coverage": coverage, "busy_ms": busy, "lines": lines}
