@@ -175,7 +175,7 @@ def init_fast(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict:
 def _init_fast_jit(cfg: K3Config, experts: str, seed) -> dict:
     """One program for the whole tree (eager `jax.random` compiled ~170 small programs, 117 s for
     k3-chip on a TPU v5e), drawn from a counter hash (`_hash_bits`): libtpu's compile time of
-    `jax.random` grows with the array (k3-chip's tree: 30 s to compile; the hash: about 3 s)."""
+    `jax.random` grows with the array (k3-chip's tree, deviceless for a v5e: 30 s to compile; the hash: 10 s)."""
     structs = shapes(cfg)
     leaves, tree = jax.tree_util.tree_flatten_with_path(structs)
     base = jax.random.PRNGKey(seed)

@@ -38,7 +38,7 @@ import numpy as np
 
 from mk.model.config import K3Config, get_config
 from mk.errors import UserError
-from mk.perf.trace import SUMMARY_LINES, device_events, host_annotation_count, is_kernel_op, outermost, profile_data  # noqa: F401  (the notebooks read traces with these)
+from mk.perf.trace import SUMMARY_LINES, device_events, host_annotation_count, is_kernel_op, is_region_event, outermost, profile_data  # noqa: F401  (the notebooks read traces with these)
 
 DEFAULT_CONFIG = {"cpu": "mini", "tpu": "k3-chip"}
 PLAN_CONFIG = {"cpu": "k3-slice", "tpu": "k3-chip"}
@@ -388,7 +388,6 @@ def kernel_regions(ev, ops):
     dur_ns, top (not inside another region of the same step). Empty when the trace has none."""
     import pandas as pd
     plane = ops.plane.iloc[0]
-    from mk.perf.trace import is_region_event
     region = np.array([is_region_event(line, name) for line, name in zip(ev["line"], ev["name"])], bool)
     cand = ev[(ev.plane == plane) & region & ~ev.name.isin(set(ops.name)) & (ev.line != ops.line.iloc[0])]
     parts = []

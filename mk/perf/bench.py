@@ -167,7 +167,7 @@ def device_step_profile(step: Callable, cache: dict, tok, steps: int) -> tuple[l
     (`mk.perf.trace.step_op_breakdown`: ops per step, busy and idle time, time by op); None off a TPU."""
     import glob
     import tempfile
-    from mk.perf.trace import device_event_list, step_device_seconds, step_op_breakdown
+    from mk.perf.trace import device_event_list, profile_data, step_device_seconds, step_op_breakdown
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(steps):
@@ -175,7 +175,6 @@ def device_step_profile(step: Callable, cache: dict, tok, steps: int) -> tuple[l
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not files:
             return [], None
-        from mk.perf.trace import profile_data
         data = profile_data(files[0])
         return step_device_seconds(device_event_list(data), steps), step_op_breakdown(data, steps)
 

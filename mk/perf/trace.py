@@ -171,6 +171,16 @@ def _step_runs(events: Sequence[DeviceEvent], steps: int) -> list[DeviceEvent]:
     return sorted(runs[name], key=lambda e: e.start_ns)[-steps:]
 
 
+def _covered_ns(spans) -> int:
+    """The length of the union of (start, end) spans: an overlap counted once."""
+    total, reach = 0, None
+    for lo, hi in sorted(spans):
+        reach = lo if reach is None else max(reach, lo)
+        total += max(0, hi - reach)
+        reach = max(reach, hi)
+    return total
+
+
 def _op_kind(name: str) -> str:
     """An op's name without XLA's '.N' suffix and HLO text ('%fusion.12 = ...' -> 'fusion')."""
     name = name.split(" = ")[0].lstrip("%")
@@ -186,10 +196,7 @@ def step_op_breakdown(xplane, steps: int, top: int = 12) -> dict | None:
     `top` kinds with the most time, plus `categories` {hlo_category: ms} where the trace's events
     carry that stat. None where the trace has no such program (a CPU). xplane: as `profile_data`."""
     data = profile_data(xplane)
-    events = [DeviceEvent(plane.name, line.name, e.name, e.start_ns, e.duration_ns)
-              for plane in data.planes if plane.name.startswith("/device:")
-              for line in plane.lines if line.name == "XLA Modules" for e in line.events]
-    runs = _step_runs(events, steps)
+    runs = _step_runs(device_event_list(data), steps)
     if not runs:
         return None
     plane = runs[0].plane
@@ -215,10 +222,8 @@ def step_op_breakdown(xplane, steps: int, top: int = 12) -> dict | None:
     for run in runs:
         lo, hi = run.start_ns, run.start_ns + run.dur_ns
         inside = [o for o in ops if o[0] >= lo and o[1] <= hi]
-        covered, reach = 0, lo
+        covered = _covered_ns((s, e) for s, e, _, _ in inside)
         for s, e, name, cat in inside:
-            covered += max(0, e - max(s, reach))
-            reach = max(reach, e)
             kind = _op_kind(name)
             by_kind[kind] = by_kind.get(kind, 0.0) + (e - s)
             count[kind] = count.get(kind, 0) + 1
@@ -282,14 +287,8 @@ def kernel_phases(events: Sequence[DeviceEvent], kernel: str, steps: int) -> dic
             c["names"].append(e.name)
     for c in lines.values():
         c["events"] /= n
-    busy = {}
-    for ln in sorted(engine_lines):
-        total, reach = 0, None
-        for lo, hi in sorted((e.start_ns, e.start_ns + e.dur_ns) for e in inside if e.line == ln):
-            reach = lo if reach is None else max(reach, lo)
-            total += max(0, hi - reach)
-            reach = max(reach, hi)
-        busy[ln] = total / 1e6 / n
+    busy = {ln: _covered_ns((e.start_ns, e.start_ns + e.dur_ns) for e in inside if e.line == ln) / 1e6 / n
+            for ln in sorted(engine_lines)}
     cand = [e for e in inside if e.line not in engine_lines and is_region_event(e.line, e.name)
             and not is_kernel(e.name)]
     top_ms: dict[str, float] = {}
