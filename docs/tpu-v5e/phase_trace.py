@@ -3,7 +3,10 @@ regions traced by libtpu (`mk.notebooks.helpers.enable_region_trace`), summed pe
 simulator's modelled phases for the same plan. JSON on stdout: {"record": {...} (kind "phase_trace"),
 "rows": [...], ...}; progress on stderr.
 
-    python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 1 --experts bf16
+    python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 8,1 --experts bf16 --out DIR
+
+With several batches the weights are drawn once and each batch's JSON is written to DIR as soon as it
+is read (phase-CONFIG-EXPERTS-bB.json), so a call stopped at its limit keeps what it finished.
 
 With jax 0.10.2's libtpu on a v5e (2026-12-06g) the trace held per-engine busy lines (MXU, Vector
 ALU, ...) and `bundle.N` markers, and this script then looked for regions everywhere but 'XLA TraceMe',
@@ -45,25 +48,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="k3-d48")
     p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2, help="traced steps (each ~1e5 regions at 48 layers)")
+    p.add_argument("--batch", default="1", help="one batch or several, comma-separated (one JSON each)")
+    p.add_argument("--steps", type=int, default=1, help="traced steps (each ~2e6 engine events at 48 layers)")
+    p.add_argument("--out", default=None, help="a folder for one JSON per batch (default: stdout)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     from mk.notebooks.helpers import enable_region_trace
     flags = enable_region_trace()               # before JAX opens the TPU
     import jax
-    import jax.numpy as jnp
-    from mk.model import reference
     from mk.model.config import get_config
     from mk.model.params import init_fast
-    from mk.kernel.decode import KERNEL_NAME
-    from mk.kernel.plan import make_plan
-    from mk.notebooks.helpers import chip_machine
-    from mk.perf import sim
-    from mk.perf.bench import _kernel_step, chip_of_device
-    from mk.perf.results import provenance
-    from mk.perf.trace import device_event_list, kernel_phases, profile_data
+    from mk.perf.bench import chip_of_device
 
     chips = chip_of_device(jax.devices()[0].device_kind)
     if jax.default_backend() != "tpu" or not chips:
@@ -74,9 +70,37 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     params = jax.block_until_ready(init_fast(cfg, args.seed, args.experts))
     log(f"{args.config} weights ({args.experts}) in {time.perf_counter() - t0:.1f} s")
+    for batch in [int(x) for x in str(args.batch).split(",")]:
+        out = trace_batch(args, cfg, params, batch, plan_chip, hw_chip, flags, argv)
+        if out is None:
+            return 1
+        text = json.dumps(out, indent=1) + "\n"
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, f"phase-{args.config}-{args.experts}-b{batch}.json")
+            with open(path, "w") as f:
+                f.write(text)
+            log(f"wrote {path}")
+        else:
+            sys.stdout.write(text)
+    return 0
+
+
+def trace_batch(args, cfg, params, batch, plan_chip, hw_chip, flags, argv) -> dict | None:
+    """One batch: compile, warm, trace `args.steps` steps, read the regions -> the JSON (None: no kernel)."""
+    import jax
+    import jax.numpy as jnp
+    from mk.model import reference
+    from mk.kernel.decode import KERNEL_NAME
+    from mk.kernel.plan import make_plan
+    from mk.notebooks.helpers import chip_machine
+    from mk.perf import sim
+    from mk.perf.bench import _kernel_step
+    from mk.perf.results import provenance
+    from mk.perf.trace import device_event_list, kernel_phases, profile_data
+    args = argparse.Namespace(**{**vars(args), "batch": batch})
     plan = make_plan(cfg, args.batch, chip=plan_chip, experts=args.experts, ctx=256)
     step = _kernel_step(plan, params, {"key": None, "weights": None})
-    del params
     tok = jnp.zeros((args.batch,), jnp.int32)
     cache = reference.init_cache(cfg, args.batch, 256)
     t0 = time.perf_counter()
@@ -85,17 +109,21 @@ def main(argv=None) -> int:
     log(f"compiled and warm in {time.perf_counter() - t0:.1f} s (tile {plan.tile_k}x{plan.tile_n}, "
         f"prefetch depth {plan.prefetch_depth})")
     with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
         with jax.profiler.trace(d):
             for _ in range(args.steps):
                 cache = jax.block_until_ready(step(cache, tok))[1]
+        log(f"traced {args.steps} step(s) in {time.perf_counter() - t0:.1f} s (the profiler's collection included)")
         t0 = time.perf_counter()
         data = profile_data(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
         events = device_event_list(data)
     log(f"{len(events)} device events read in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
     ph = kernel_phases(events, KERNEL_NAME, args.steps)
+    log(f"read the kernel's lines in {time.perf_counter() - t0:.1f} s")
     if ph is None:
         log(f"no {KERNEL_NAME} executions on the device planes")
-        return 1
+        return None
     top_ms, busy, step_ms = ph["top_ms"], ph["busy_ms"], statistics.median(ph["kernel_ms"])
     if not top_ms:
         log(f"the trace holds no named regions inside the kernel (lines {sorted(ph['lines'])}); "
@@ -127,10 +155,8 @@ def main(argv=None) -> int:
            "regions": {n: {"top_ms": round(top_ms.get(n, 0.0), 4), "all_ms": round(v, 4), "per_step": ph["count"][n] / len(ph["kernel_ms"])}
                        for n, v in sorted(ph["all_ms"].items(), key=lambda x: -x[1])},
            "modelled_phases_ms": {n: round(v, 4) for n, v in sorted(m_ms.items(), key=lambda x: -x[1])}}
-    json.dump(out, sys.stdout, indent=1)
-    sys.stdout.write("\n")
     log(summary)
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # per part. Write the commit out here (the VM's copy of .git may be stale, 2026-12-06g/NOTES.md):
 #   MK_COMMIT=<hash> MK_DIRTY=0 OUT=DIR bash docs/tpu-v5e/run-depth-next.sh phases
 #       the kernel's phases from its region trace ('XLA TraceMe', phase_trace.py): k3-d48 bf16 at B = 8
-#       (the 0.75 of stream to explain) and B = 1, k3-d12 MXFP4 at B = 1 (~8 min)
+#       (the 0.75 of stream to explain) and B = 1 in one process, k3-d12 MXFP4 at B = 1 (~9 min; the
+#       first try, three processes of 150-175 s, each ran out of time after reading its events)
 #   ... run-depth-next.sh mxfp4tile
 #       MXFP4 at thin widths with 512-row tiles (the v5e's LLO: 1.26x fewer bundles per weight than
 #       256 x 256): k3-d12 and k3-d48, kernel only, B = 1, 8, tiles 512x512 and 512x256 (~7 min)
@@ -13,9 +14,8 @@
 set -u
 case "${1:?which part: phases, mxfp4tile or middle}" in
   phases) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
-     step phase-k3d48-bf16-b8 170 python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 8 --experts bf16
-     step phase-k3d48-bf16-b1 170 python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 1 --experts bf16
-     step phase-k3d12-mxfp4-b1 150 python3 docs/tpu-v5e/phase_trace.py --config k3-d12 --batch 1 --experts mxfp4 ;;
+     step phase-k3d48-bf16 330 python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 8,1 --experts bf16 --out "$OUT"
+     step phase-k3d12-mxfp4 200 python3 docs/tpu-v5e/phase_trace.py --config k3-d12 --batch 1 --experts mxfp4 --out "$OUT" ;;
   mxfp4tile) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
      for t in 512x512 512x256; do
        step bench-k3d12-mxfp4-t$t 110 python3 -m mk bench --config k3-d12 --experts mxfp4 --impl kernel --batch 1,8 --steps 8 --tile $t --json

@@ -172,13 +172,14 @@ def _step_runs(events: Sequence[DeviceEvent], steps: int) -> list[DeviceEvent]:
 
 
 def _covered_ns(spans) -> int:
-    """The length of the union of (start, end) spans: an overlap counted once."""
-    total, reach = 0, None
-    for lo, hi in sorted(spans):
-        reach = lo if reach is None else max(reach, lo)
-        total += max(0, hi - reach)
-        reach = max(reach, hi)
-    return total
+    """The length of the union of (start, end) spans: an overlap counted once (numpy; a
+    region-traced step has millions of engine spans)."""
+    a = np.array(list(spans), dtype=np.int64).reshape(-1, 2)
+    if not len(a):
+        return 0
+    a = a[np.argsort(a[:, 0], kind="stable")]
+    reach = np.maximum(a[:, 0], np.concatenate([[a[0, 0]], np.maximum.accumulate(a[:-1, 1])]))
+    return int(np.maximum(0, a[:, 1] - reach).sum())
 
 
 def _op_kind(name: str) -> str:
@@ -277,36 +278,41 @@ def kernel_phases(events: Sequence[DeviceEvent], kernel: str, steps: int) -> dic
     line = statistics.mode(e.line for e in kern if e.plane == plane)
     kern = [e for e in kern if e.plane == plane and e.line == line][-steps:]
     n = len(kern)
-    inside = [e for e in events if e.plane == plane and e.line not in NOT_REGION_LINES and e.line != line]
-    engine_lines = {e.line for e in inside if e.name == e.line or e.name in ENGINES}
+    by_line: dict[str, list[DeviceEvent]] = {}          # one pass over the events, then numpy per line
+    for e in events:
+        if e.plane == plane and e.line != line and e.line not in NOT_REGION_LINES:
+            by_line.setdefault(e.line, []).append(e)
+    lo = np.array([k.start_ns for k in kern], np.int64)
+    hi = lo + np.array([k.dur_ns for k in kern], np.int64)
     lines: dict[str, dict] = {}
-    for e in inside:
-        c = lines.setdefault(e.line, {"events": 0, "names": []})
-        c["events"] += 1
-        if len(c["names"]) < 8 and e.name not in c["names"]:
-            c["names"].append(e.name)
-    for c in lines.values():
-        c["events"] /= n
-    busy = {ln: _covered_ns((e.start_ns, e.start_ns + e.dur_ns) for e in inside if e.line == ln) / 1e6 / n
-            for ln in sorted(engine_lines)}
-    cand = [e for e in inside if e.line not in engine_lines and is_region_event(e.line, e.name)
-            and not is_kernel(e.name)]
+    busy: dict[str, float] = {}
     top_ms: dict[str, float] = {}
     all_ms: dict[str, float] = {}
     count: dict[str, int] = {}
-    coverage = []
-    for k in kern:
-        lo, hi = k.start_ns, k.start_ns + k.dur_ns
-        r = [e for e in cand if e.start_ns >= lo and e.start_ns + e.dur_ns <= hi]
-        if not r:
+    covered = np.zeros(n)
+    for ln, evs in by_line.items():
+        names = list(dict.fromkeys(e.name for e in evs[:4096]))[:8]
+        lines[ln] = {"events": len(evs) / n, "names": names}
+        start = np.fromiter((e.start_ns for e in evs), np.int64, len(evs))
+        end = start + np.fromiter((e.dur_ns for e in evs), np.int64, len(evs))
+        if ln in ENGINES or any(nm == ln or nm in ENGINES for nm in names):       # an engine's busy spans
+            busy[ln] = _covered_ns(np.stack([start, end], 1)) / 1e6 / n
             continue
-        start = np.array([e.start_ns for e in r])
-        top = outermost(start, start + np.array([e.dur_ns for e in r]))
-        for e, t in zip(r, top):
-            all_ms[e.name] = all_ms.get(e.name, 0.0) + e.dur_ns / 1e6 / n
-            count[e.name] = count.get(e.name, 0) + 1
-            if t:
-                top_ms[e.name] = top_ms.get(e.name, 0.0) + e.dur_ns / 1e6 / n
-        coverage.append(sum(e.dur_ns for e, t in zip(r, top) if t) / k.dur_ns)
+        which = np.searchsorted(lo, start, side="right") - 1                  # the execution each starts in
+        keep = (which >= 0) & (end <= hi[np.maximum(which, 0)])
+        keep &= np.fromiter((is_region_event(ln, e.name) and not is_kernel(e.name) for e in evs), bool, len(evs))
+        for x in range(n):
+            idx = np.flatnonzero(keep & (which == x))
+            if not len(idx):
+                continue
+            top = outermost(start[idx], end[idx])
+            for j, t in zip(idx.tolist(), top.tolist()):
+                nm, ms = evs[j].name, (end[j] - start[j]) / 1e6 / n
+                all_ms[nm] = all_ms.get(nm, 0.0) + ms
+                count[nm] = count.get(nm, 0) + 1
+                if t:
+                    top_ms[nm] = top_ms.get(nm, 0.0) + ms
+            covered[x] += (end[idx] - start[idx])[top].sum()
+    coverage = [float(c / k.dur_ns) for c, k in zip(covered, kern) if c]
     return {"kernel_ms": [k.dur_ns / 1e6 for k in kern], "plane": plane, "line": line, "top_ms": top_ms,
             "all_ms": all_ms, "count": count, "coverage": coverage, "busy_ms": busy, "lines": lines}
