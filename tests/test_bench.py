@@ -226,3 +226,20 @@ def test_tile_option_is_checked_before_the_tpu_and_reaches_the_plan(monkeypatch)
     monkeypatch.setattr(bench, "require_tpu", lambda backend=None: None)
     with pytest.raises(bench.BenchError, match="--tile"):
         bench.measure(MINI, batches=(1,), steps=1, warmup=1, impls=("kernel",), progress=False, tile=(100, 100))
+
+
+def test_record_key_names_what_changes_the_measurement():
+    """A step record's key (`mk.cli.bench.record_key`): config and experts; the options that change
+    the kernel; the batches only where B = 1 and 8 are missing, so a B = 2, 4 record supersedes no
+    B = 1, 8 record of the same model."""
+    import argparse
+
+    from mk.cli.bench import record_key
+    a = argparse.Namespace(experts="mxfp4", mxfp4_unpack="auto", prefetch_depth=None)
+    assert record_key(a, "k3-d48", None, [1, 8]) == {"config": "k3-d48", "experts": "mxfp4"}
+    assert record_key(a, "k3-d48", None, [1, 2, 4, 8]) == {"config": "k3-d48", "experts": "mxfp4"}
+    assert record_key(a, "k3-d48", (512, 256), [2, 4]) == {"config": "k3-d48", "experts": "mxfp4",
+                                                           "tile": "512x256", "batch": "2,4"}
+    a = argparse.Namespace(experts="bf16", mxfp4_unpack="pairs", prefetch_depth=8)
+    assert record_key(a, "k3-chip", None, [8]) == {"config": "k3-chip", "experts": "bf16", "mxfp4_unpack": "pairs",
+                                                   "prefetch_depth": 8, "batch": "8"}

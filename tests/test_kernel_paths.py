@@ -450,3 +450,31 @@ def test_thin_widths_step_on_the_default_small_tiles():
     for n in CACHE_KEYS:
         a, b = np.asarray(k_cache[n], np.float32), np.asarray(r_cache[n], np.float32)
         assert a.shape == b.shape and (not a.size or float(np.max(np.abs(a - b))) <= 1e-5), n   # seen: 2.4e-7
+
+
+@pytest.mark.slow
+def test_thin_widths_mxfp4_step_on_padded_512_tiles():
+    """The same thin widths with MXFP4 experts: `default_tile` picks 512 x 512 (the unpack's fewest
+    bundles per weight), so every 1792-wide row block and every 768-deep expert matrix ends in a
+    zero-padded partial tile, packed codes and scale bytes included. One step at B = 2, kernel vs
+    the reference on the loader's bf16 dequantization of the same bytes."""
+    from mk.io import convert
+    from mk.kernel.plan import default_tile
+
+    full = get_config("k3-d48")
+    assert default_tile(full, experts="mxfp4") == (512, 512)
+    cfg = full.replace(layers=2, full_attention=(1,), vocab=512, experts=4, top_k=2, dense_hidden=1024)
+    packed = jax.device_get(params_mod.init_fast(cfg, 1, "mxfp4"))
+    params = convert.dequantize_experts(packed)
+    step_fn = make_step_fn(packed, cfg, 2, ctx=128, interpret=interpret_params(detect_races=True))
+    assert (step_fn.plan.experts, step_fn.plan.tile_k, step_fn.plan.tile_n) == ("mxfp4", 512, 512)
+    cache = reference.init_cache(cfg, 2, 128)
+    tok = np.array([7, 300], np.int32)
+    k_logits, k_cache = kernel_step(step_fn, cache, tok)
+    r_logits, r_cache = reference.decode_step(params, cache, jnp.asarray(tok), cfg=cfg)
+    err = float(np.max(np.abs(k_logits - np.asarray(r_logits))))
+    assert err <= 1e-5 * float(np.max(np.abs(np.asarray(r_logits)))), err          # seen: 0 (bit-exact)
+    assert (k_logits.argmax(-1) == np.asarray(r_logits).argmax(-1)).all()
+    for n in CACHE_KEYS:
+        a, b = np.asarray(k_cache[n], np.float32), np.asarray(r_cache[n], np.float32)
+        assert a.shape == b.shape and (not a.size or float(np.max(np.abs(a - b))) <= 1e-5), n

@@ -382,6 +382,10 @@ planes { id: 1 name: "/device:TPU:0"
     events { metadata_id: 6 offset_ps: 0 duration_ps: 40000 }
     events { metadata_id: 6 offset_ps: 20000 duration_ps: 40000 }
     events { metadata_id: 6 offset_ps: 200000 duration_ps: 20000 } }
+  lines { id: 5 name: "_counters_" timestamp_ns: 0
+    events { metadata_id: 6 offset_ps: 0 duration_ps: 90000 }
+    events { metadata_id: 7 offset_ps: 0 duration_ps: 90000 } }
+  event_metadata { key: 7 value { id: 7 name: "VDD Core FW Throttle(%)" } }
   event_metadata { key: 1 value { id: 1 name: "%k3_decode_step.1 = f32[8,128] custom-call(%p)" } }
   event_metadata { key: 2 value { id: 2 name: "moe_experts" } }
   event_metadata { key: 3 value { id: 3 name: "collective_moe_routed" } }
@@ -396,7 +400,8 @@ planes { id: 1 name: "/device:TPU:0"
 def test_kernel_phases_split_a_region_traced_kernel():
     """docs/tpu-v5e/phase_trace.py's reading of a region-traced step (`kernel_phases`): the
     outermost named regions per execution from 'XLA TraceMe' (a nested one counted once, the LLO
-    debug info's markers left out), each engine line's busy union, and what each line holds."""
+    debug info's markers left out), each engine line's busy union (not the '_counters_' samples),
+    and what each line holds."""
     from jax.profiler import ProfileData
 
     from mk.perf.trace import device_event_list, kernel_phases
@@ -407,5 +412,6 @@ def test_kernel_phases_split_a_region_traced_kernel():
     assert ph["all_ms"]["collective_moe_routed"] == pytest.approx(5e-6) and "bundle.134217729" not in ph["all_ms"]
     assert ph["coverage"] == pytest.approx([0.7, 0.7])
     assert ph["busy_ms"] == pytest.approx({"MXU": 4e-5})           # (60 + 20) ns over two executions
+    assert ph["lines"]["_counters_"]["events"] == 1.0              # counter samples: listed, not busy time
     assert ph["lines"]["XLA TraceMe"]["events"] == 2.5 and "MXU" in ph["lines"]
     assert kernel_phases(device_event_list(ProfileData.from_text_proto(PHASES_XSPACE)), "other", 2) is None

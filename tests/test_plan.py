@@ -101,7 +101,8 @@ def test_options_shape_the_matrices_and_the_schedule():
 
 def test_default_tile_streams_the_least_padding():
     """The per-model tile (`default_tile`): K3's widths keep 512 x 512 (1% of padding at most), the
-    depth presets' thin layers take 256 x 256 (512 x 512 would stream 6-16% padding), and the ring
+    depth presets' thin layers take 256 x 256 with bf16 experts (512 x 512 would stream 6-16%
+    padding) and 512 x 512 with MXFP4 experts (the unpack's fewest bundles per weight), and the ring
     keeps 2 MiB of tiles in flight whatever their shape."""
     from mk.kernel.plan import (DEFAULT_PREFETCH_DEPTH, INFLIGHT_BYTES, TILE_CHOICES, default_prefetch_depth,
                                 default_tile, stream_bytes)
@@ -117,6 +118,8 @@ def test_default_tile_streams_the_least_padding():
         assert sizes[(512, 512)] > 1.06 * sizes[(256, 256)], name
         plan = make_plan(cfg, 1, chip="v5e")
         assert (plan.tile_k, plan.tile_n, plan.prefetch_depth) == (256, 256, 16)
+        plan = make_plan(cfg, 8, chip="v5e", experts="mxfp4")
+        assert (plan.tile_k, plan.tile_n, plan.prefetch_depth) == (512, 512, 4), name
     assert default_prefetch_depth((512, 512)) == DEFAULT_PREFETCH_DEPTH == 4
     for t in TILE_CHOICES:
         assert default_prefetch_depth(t) * t[0] * t[1] * 2 == INFLIGHT_BYTES

@@ -87,19 +87,28 @@ def run(args) -> int:
                           peer_format=peer_format if "peer" in impls else None)
     if args.json:
         from mk.perf.results import provenance
-        key = {"config": meta["config"], "experts": args.experts}
-        if args.mxfp4_unpack != "auto":
-            key["mxfp4_unpack"] = args.mxfp4_unpack
-        if args.prefetch_depth is not None:
-            key["prefetch_depth"] = args.prefetch_depth
-        if tile is not None:
-            key["tile"] = f"{tile[0]}x{tile[1]}"
-        record = provenance("bench", key, bench.summary(rows))
+        record = provenance("bench", record_key(args, meta["config"], tile, batches), bench.summary(rows))
         json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_table(rows, meta))
     return 0
+
+
+def record_key(args, config: str, tile, batches: list[int]) -> dict:
+    """What a step record measured, for `mk results` (a later record of the same key supersedes it):
+    config and experts, then each option that changes the kernel, and the batches when B = 1 and 8
+    (the headline's) are not among them."""
+    key = {"config": config, "experts": args.experts}
+    if args.mxfp4_unpack != "auto":
+        key["mxfp4_unpack"] = args.mxfp4_unpack
+    if args.prefetch_depth is not None:
+        key["prefetch_depth"] = args.prefetch_depth
+    if tile is not None:
+        key["tile"] = f"{tile[0]}x{tile[1]}"
+    if not {1, 8} <= set(batches):
+        key["batch"] = ",".join(map(str, batches))
+    return key
 
 
 def _run_generate(args, bench, cfg, batches, impls) -> int:

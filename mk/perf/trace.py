@@ -94,15 +94,19 @@ SUMMARY_LINES = ("XLA Modules", "Steps", "XLA TraceMe", "Framework Ops", "Framew
 # With --xla_enable_custom_call_region_trace libtpu lowers each `jax.named_scope` of a Pallas kernel to a
 # `vtrace` pair (TraceMeStart(name) / TraceMeEnd(name) in the LLO), whose spans land on 'XLA TraceMe'.
 NOT_REGION_LINES = ("XLA Modules", "Steps", "Framework Ops", "Framework Name Scope")
-# --xla_xprof_register_llo_debug_info adds one line per engine, its events named as the engine (busy
-# spans), and zero-length `bundle.N` markers: activity, not regions.
+# --xla_xprof_register_llo_debug_info adds engine activity and zero-length `bundle.N` markers, not
+# regions. On a TPU v5e with jax 0.10.2 (2026-12-06h) the markers are on 'Tensor Core' and the engines
+# are samples on '_counters_' (events named 'MXU', 'XLU', ..., 'VDD Core FW Throttle(%)'): counter
+# values, not busy spans, so no busy time is read from that line.
+COUNTER_LINES = ("_counters_",)
 ENGINES = ("MXU", "Vector ALU", "Vector Load", "Vector Store", "Scalar ALU", "XLU", "Vector EUP", "Vector Spills",
            "Vector Fills")
 
 
 def is_region_event(line: str, name: str) -> bool:
     """Whether an event on a device plane may be one of a kernel's named regions."""
-    return line not in NOT_REGION_LINES and name not in ENGINES and name != line and not name.startswith("bundle.")
+    return (line not in NOT_REGION_LINES and line not in COUNTER_LINES and name not in ENGINES and name != line
+            and not name.startswith("bundle."))
 
 
 def profile_data(xplane):
@@ -295,6 +299,8 @@ def kernel_phases(events: Sequence[DeviceEvent], kernel: str, steps: int) -> dic
         lines[ln] = {"events": len(evs) / n, "names": names}
         start = np.fromiter((e.start_ns for e in evs), np.int64, len(evs))
         end = start + np.fromiter((e.dur_ns for e in evs), np.int64, len(evs))
+        if ln in COUNTER_LINES:
+            continue
         if ln in ENGINES or any(nm == ln or nm in ENGINES for nm in names):       # an engine's busy spans
             busy[ln] = _covered_ns(np.stack([start, end], 1)) / 1e6 / n
             continue
