@@ -108,7 +108,8 @@ def main(argv=None) -> int:
         per = ", ".join(f"{u} {c['bundles_per_head']}" for u, c in res.items() if "bundles_per_head" in c)
         record = provenance("llo", {"chip": "v5e", "phase": "kda_delta_rule", "heads": a.heads, "unroll": a.unroll},
                             f"KDA delta rule, bundles per head by unroll (deviceless v5e LLO, {a.heads} heads): {per}")
-        record.update(chip="tpu-v5e", device_kind="deviceless compile (libtpu, v5e:2x2 topology) on a CPU host")
+        record.update(chip="tpu-v5e", device_kind="deviceless compile (libtpu, v5e:2x2 topology) on a CPU host",
+                      command=" ".join(["python3 docs/tpu-v5e/llo_kda.py"] + list(sys.argv[1:] if argv is None else argv)))
         print(json.dumps({"record": record, "unroll": res}, indent=1))
     return 0
 
