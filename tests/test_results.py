@@ -26,6 +26,12 @@ def test_newest_record_of_each_measurement_is_current(tmp_path):
     table = results.results_table(recs, tmp_path)
     assert "| bench k3-chip bf16 | new | tpu-v5e | 2026-12-06 | aaaaaaa |" in table
     assert "old" not in table and "[json](d2/bench.json)" in table
+    _rec(tmp_path / "d2/llo.json", "llo", {"chip": "v5e"}, "2026-12-06T11:00:00", "bundles")
+    recs = results.find_records(tmp_path)
+    assert [r["kind"] for _, r in results.headline(recs)] == ["bench"] * 3     # detail kinds: not the README's
+    listed = subprocess.run([sys.executable, "-m", "mk", "results", "--root", str(tmp_path)], capture_output=True,
+                            text=True, check=True).stdout
+    assert listed.index("| bench k3-chip bf16 | new") < listed.index("Detail records") < listed.index("| llo chip=v5e | bundles")
 
 
 def test_readme_block_written_and_checked(tmp_path):
@@ -62,7 +68,7 @@ def test_readme_results_block_is_current():
     readme = results.REPO / "README.md"
     block = results.read_block(readme)
     assert block is not None, "README.md has no results block"
-    assert block == results.results_table(results.find_records(results.REPO / "docs"))
+    assert block == results.results_table(results.headline(results.find_records(results.REPO / "docs")))
 
 
 def test_records_figure_draws_each_impl_of_a_race(tmp_path):
@@ -77,3 +83,8 @@ def test_records_figure_draws_each_impl_of_a_race(tmp_path):
     assert [t.name for t in fig.data] == ["mk megakernel", "fair XLA step", "fair XLA step + vLLM TPU fused MoE (peer)"]
     assert list(fig.data[0].y) == [200.0, 1000.0] and list(fig.data[2].y) == [125.0, None]
     assert "device time" in fig.layout.title.text
+    _rec(tmp_path / "t.json", "bench", {"config": "k3-chip", "experts": "bf16", "tile": "512x256"},
+         "2026-12-07T10:00:00", "s", rows=[{"impl": "kernel", "batch": 8, "device_median_ms": 4.0}])
+    fig = records_figure(results.find_records(tmp_path))   # a later kernel-alone tile of a raced case: its own bar
+    assert fig.data[-1].name == "mk megakernel, 512 x 256 tiles (kernel alone, 2026-12-07)"
+    assert list(fig.data[-1].y) == [None, 2000.0] and list(fig.data[0].y) == [200.0, 1000.0]

@@ -2,8 +2,10 @@
 
 Reads every JSON record (`mk.perf.results`: a top-level "record" with kind, key, summary, commit, date,
 chip and command) under --root, keeps the newest of each measurement and prints the markdown table
-the README shows. `--write README.md` rewrites the README's results block; `--check README.md` exits 1
-where that block is not what the records give (the test suite runs it, so the README cannot go stale).
+the README shows, then the detail records (LLO counts, phase traces). `--write README.md` rewrites the
+README's results block (`mk.perf.results.headline`: the detail kinds left out); `--check README.md`
+exits 1 where that block is not what the records give (the test suite runs it, so the README cannot
+go stale).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def run(args) -> int:
         written = save_figure(records_figure(records), path.stem, path.parent)
         print(f"wrote {written}")
         return 0
-    table = results.results_table(records)
+    table = results.results_table(results.headline(records))
     if args.write:
         changed = results.write_block(args.write, table)
         print(f"{args.write}: results block {'rewritten' if changed else 'already current'} "
@@ -55,5 +57,9 @@ def run(args) -> int:
             return 1
         print(f"{args.check}: results block current")
         return 0
+    detail = [pr for pr in records if pr not in results.headline(records)]
     print(table)
+    if detail:
+        print("\nDetail records (LLO counts, phase traces; not in the README):\n")
+        print(results.results_table(detail))
     return 0

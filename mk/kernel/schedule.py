@@ -76,6 +76,16 @@ def dequant_packing(chip: str, unpack: str, tile_k: int, tile_n: int) -> float:
     return DEQUANT_TILE_PACKING.get((chip, unpack), {}).get((tile_k, tile_n), 1.0)
 
 
+# Vector ops per element of a KDA head's [D, D] fp32 state in mk's delta rule (`mk.kernel.kda`,
+# `mk.model.layers.kda.kda_head`), counted in the kernel's own lowering: the v5e's deviceless LLO of
+# the heads loop as the kernel runs it (4 heads a trip) holds 1456 vector ALU ops of 1024 lanes per
+# 4 heads of 128 x 128 (docs/tpu-v5e/llo_kda.py, docs/tpu-v5e/2026-12-06h/llo-kda-v5e.json):
+# 364 x 1024 / 128^2 = 22.75. The spec's arithmetic is about 10 (decay, two products with the state,
+# the rank-1 update); the rest is the lane broadcasts and reductions the layout costs. The seed's
+# recurrence keeps the spec's 10.
+KDA_STATE_OPS = {"mk": 22.75, "seed": 10}
+
+
 def _mix_flops(cfg, rows: int, n_blocks: int) -> int:
     """AttnRes mixing of `n_blocks` snapshots + the prefix, then the RMSNorm (fp32 ops)."""
     return rows * (n_blocks + 1) * cfg.dim * 8 + rows * cfg.dim * 4
@@ -248,19 +258,27 @@ def megakernel(plan, distinct_experts: list[float]):
                 b.load(l, _state(state_bytes), "kda.state", am, slot="kda.state")
         for m in attention_matrices(s):
             if m.name in ("kda.o", "mla.o"):
-                if mla:
+                if mla and seed:
                     cache = B * H * plan.ctx * (c.k_cache_dim + D) * 2
                     block = B * H * 128 * (c.k_cache_dim + D) * 2
                     vector(l, "mla_attention", 2 * B * H * plan.ctx * (c.qk_head_dim + D) + 5 * B * H * plan.ctx,
                            2 * cache, hbm_bytes=cache)
-                    if seed:    # spec 3.6: read the touched 128-token block, merge the new rows, write it back
-                        vector(l, "mla_commit", 0, 2 * block, hbm_bytes=block, writeback_bytes=block)
-                    else:
-                        vector(l, "mla_cache_write", 0, 0, writeback_bytes=B * H * (c.k_cache_dim + D) * 2)
+                    # spec 3.6: read the touched 128-token block, merge the new rows, write it back
+                    vector(l, "mla_commit", 0, 2 * block, hbm_bytes=block, writeback_bytes=block)
+                elif mla:   # mk's kernel (`mk.kernel.mla`): row after row, the row's cache blocks DMA'd in
+                    # (the first waited cold, each next in flight while one is attended), then the block
+                    # holding the new key / value written back and waited before the next row starts
+                    cache = H * plan.ctx * (c.k_cache_dim + D) * 2
+                    block = H * 128 * (c.k_cache_dim + D) * 2
+                    for _ in range(B):
+                        vector(l, "mla_attention", 2 * H * plan.ctx * (c.qk_head_dim + D) + 5 * H * plan.ctx,
+                               2 * cache, hbm_bytes=cache)
+                        vector(l, "mla_cache_write", 0, 0, hbm_bytes=block)
                 else:       # mk's kernel starts the state read at KDA entry, before the projections
                     kw = (dict(hbm_bytes=state_bytes, hbm_lead=len(b.phases) - am - 1) if not look
                           else dict(consumes=(l, "kda.state")))
-                    vector(l, "kda_recurrence", B * H * D * D * 10 + B * 3 * H * D * (c.conv_size * 2 + 8),
+                    vector(l, "kda_recurrence", B * H * D * D * KDA_STATE_OPS["seed" if seed else "mk"]
+                           + B * 3 * H * D * (c.conv_size * 2 + 8),
                            6 * state_bytes, writeback_bytes=state_bytes, **kw)
                 if seed:
                     collective(l, "attn_pair_exchange")

@@ -432,13 +432,16 @@ def run_output_dir(name: str, fallback: str) -> str:
 # ---- the measured records as a figure (the README's headline, notebook 04) --------------------------
 IMPL_LABELS = {"kernel": "mk megakernel", "xla": "fair XLA step", "peer": "fair XLA step + vLLM TPU fused MoE (peer)",
                "xla-ragged": "fair XLA step (ragged_dot MoE)"}
+TILE_STYLES = (("#6baed6", "."), ("#08306b", "-"), ("#9ecae1", "+"))   # kernel-alone bars at other tiles
 IMPL_STYLE = {"kernel": ("#1f77b4", ""), "xla": ("#ff7f0e", "/"), "peer": ("#2ca02c", "x"), "xla-ragged": ("#9467bd", ".")}
 
 
 def records_figure(records):
     """Decode tokens/s from device time (the step program alone, from a profiler trace) of each impl,
     at each (config, experts, batch) of the newest bench records that raced the kernel against a
-    rival: a grouped bar chart whose bars carry their values. records: `mk.perf.results.find_records`."""
+    rival: a grouped bar chart whose bars carry their values. A later kernel-alone record at another
+    tile (`mk bench --tile`, its key names the tile) of a raced case adds a bar of its own, labelled
+    with the tile. records: `mk.perf.results.find_records`."""
     import plotly.graph_objects as go
 
     rows = [r for r in record_rows(records, "bench") if r["impl"] != "reference" and r.get("device_median_ms")]
@@ -453,22 +456,30 @@ def records_figure(records):
             layers = 1 << 20
         return (r.get("experts") != "bf16", layers, str(r.get("config")), r["batch"])
     peer_fmt = {run(r): r.get("peer_format") for r in rows if r["impl"] == "peer"}
-    groups, values = [], {}
+    groups, values, labels, case = [], {}, dict(IMPL_LABELS), {}
     for r in sorted(rows, key=order):
-        if len(impls[run(r)]) < 2:
+        if len(impls[run(r)]) < 2 or r.get("tile"):
             continue                                      # the kernel alone: no comparison to draw
         pf = peer_fmt.get(run(r))
         g = (f"{r.get('config')} {r.get('experts')}" + (f" (peer {pf})" if pf and pf != r.get("experts") else "")
              + f"<br>B = {r['batch']}")
         groups.append(g) if g not in groups else None
+        case[r.get("config"), r.get("experts"), r["batch"]] = g
         values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     if not values:
         raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
+    for r in rows:                                        # kernel-alone records at another tile
+        g = case.get((r.get("config"), r.get("experts"), r["batch"]))
+        if r.get("tile") and r["impl"] == "kernel" and g:
+            name = f"kernel@{r['tile']}"
+            labels[name] = f"mk megakernel, {r['tile'].replace('x', ' x ')} tiles (kernel alone, {r['date']})"
+            values.setdefault(name, {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     fig = go.Figure()
-    for impl in [i for i in IMPL_LABELS if i in values]:
-        color, pattern = IMPL_STYLE[impl]
+    extra = iter(TILE_STYLES)
+    for impl in [i for i in labels if i in values]:
+        color, pattern = IMPL_STYLE.get(impl) or next(extra, TILE_STYLES[-1])
         ys = [values[impl].get(g) for g in groups]
-        fig.add_bar(name=IMPL_LABELS[impl], x=groups, y=ys, marker_color=color, marker_pattern_shape=pattern,
+        fig.add_bar(name=labels[impl], x=groups, y=ys, marker_color=color, marker_pattern_shape=pattern,
                     text=[f"{y:.0f}" if y else "" for y in ys], textposition="outside")
     fig.update_layout(title="Decode tokens/s on one TPU v5e, from device time (the step program alone)",
                       yaxis_title="tokens/s (batch / device time per step)", barmode="group",
