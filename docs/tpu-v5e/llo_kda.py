@@ -9,7 +9,10 @@ interleave two heads' ops without changing either head's arithmetic (bit-exact).
 
 This compiles the phase alone, B rows x H heads of k3-d48 (D 128), for `v5e:2x2` without a chip
 (libtpu's deviceless compiler, as `llo_unpack.py`), once per unroll, and counts the bundles of the
-heads loop's body (the scheduled VLIW bundles: one per cycle when nothing stalls), per head.
+heads loop's body (the scheduled VLIW bundles: one per cycle when nothing stalls), per head. Each
+unroll is compiled twice: as the kernel runs it (beta broadcast across a head's lanes by an MXU
+product with a one-hot matrix, per head), and with every head's sigmoid(beta) broadcast before the
+loop ("beta_in_feat", a sixth feature row): what hoisting that broadcast would save.
 
     python3 docs/tpu-v5e/llo_kda.py [--unroll 1,2,3,4] [--heads 12] [--json]
 """
@@ -28,7 +31,7 @@ from llo_unpack import _set_dump, count, final_bundles, loop_body   # noqa: E402
 D = 128
 
 
-def _kernel(state_ref, feat_ref, beta_ref, o_norm_ref, out_ref, new_ref, *, heads, unroll, eps):
+def _kernel(state_ref, feat_ref, beta_ref, o_norm_ref, out_ref, new_ref, *, heads, unroll, eps, beta_in_feat):
     import jax
     import jax.numpy as jnp
     from mk.model.layers.common import sigmoid
@@ -40,8 +43,11 @@ def _kernel(state_ref, feat_ref, beta_ref, o_norm_ref, out_ref, new_ref, *, head
     def head(h, carry):
         off = pl_multiple(h * D)
         feat = lambda n: feat_ref[n, :, pl_ds(off, D)]                                  # [1, D]
-        beta = sigmoid(jnp.dot(beta_ref[...], (lanes == h).astype(jnp.bfloat16),
-                               preferred_element_type=jnp.float32))                     # [1, D]
+        if beta_in_feat:                          # sigmoid(beta) of every head, broadcast before the loop
+            beta = feat(5)
+        else:                                     # the lane broadcast on the MXU, per head
+            beta = sigmoid(jnp.dot(beta_ref[...], (lanes == h).astype(jnp.bfloat16),
+                                   preferred_element_type=jnp.float32))                 # [1, D]
         out_ref[:, pl_ds(off, D)], new_ref[h] = kda_head(state_ref[h], *(feat(n) for n in range(4)), beta,
                                                          feat(4), o_norm, eps)
         return carry
@@ -58,17 +64,18 @@ def pl_ds(start, size):
     return pl.ds(start, size)
 
 
-def call(heads: int, unroll: int):
+def call(heads: int, unroll: int, beta_in_feat: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    f = pl.pallas_call(partial(_kernel, heads=heads, unroll=unroll, eps=1e-6),
+    name = f"llo_kda_u{unroll}" + ("_bf" if beta_in_feat else "")
+    f = pl.pallas_call(partial(_kernel, heads=heads, unroll=unroll, eps=1e-6, beta_in_feat=beta_in_feat),
                        out_shape=(jax.ShapeDtypeStruct((1, heads * D), jnp.bfloat16),
                                   jax.ShapeDtypeStruct((heads, D, D), jnp.float32)),
-                       in_specs=[vmem] * 4, out_specs=(vmem, vmem), name=f"llo_kda_u{unroll}")
-    args = (jax.ShapeDtypeStruct((heads, D, D), jnp.float32), jax.ShapeDtypeStruct((5, 1, heads * D), jnp.float32),
+                       in_specs=[vmem] * 4, out_specs=(vmem, vmem), name=name)
+    args = (jax.ShapeDtypeStruct((heads, D, D), jnp.float32), jax.ShapeDtypeStruct((6 if beta_in_feat else 5, 1, heads * D), jnp.float32),
             jax.ShapeDtypeStruct((1, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, D), jnp.float32))
     return f, args
 
@@ -85,24 +92,22 @@ def main(argv=None) -> int:
     from mk.kernel.aot import _compile, _topology
     device = _topology("v5e:2x2").devices[0]
     res = {}
-    for u in (int(x) for x in a.unroll.split(",")):
-        fn, args = call(a.heads, u)
-        r = _compile(fn, args, device)
-        if not r.compiled:
-            res[u] = {"error": r.error}
-            continue
-        text = final_bundles(dump, f"llo_kda_u{u}").read_text()
-        try:
+    for bf in (False, True):
+        for u in (int(x) for x in a.unroll.split(",")):
+            fn, args = call(a.heads, u, bf)
+            r = _compile(fn, args, device)
+            case = f"{u}" + (" beta_in_feat" if bf else "")
+            if not r.compiled:
+                res[case] = {"error": r.error}
+                continue
+            text = final_bundles(dump, f"llo_kda_u{u}" + ("_bf" if bf else "")).read_text()
             c = count(loop_body(text))
             c["heads_per_body"] = u
             c["bundles_per_head"] = round(c["bundles"] / u, 1)
-        except StopIteration:                                    # fully unrolled: no loop left
-            c = {"bundles_total": sum(1 for l in text.splitlines() if l.strip().startswith("0x")),
-                 "heads_per_body": a.heads}
-        for k in ("weights", "bundles_per_kweight", "alu_ops_per_weight"):
-            c.pop(k, None)
-        res[u] = c
-        print(f"unroll {u}: " + json.dumps({k: v for k, v in c.items() if k != "ops"}), file=sys.stderr)
+            for k in ("weights", "bundles_per_kweight", "alu_ops_per_weight"):
+                c.pop(k, None)
+            res[case] = c
+            print(f"unroll {case}: " + json.dumps({k: v for k, v in c.items() if k != "ops"}), file=sys.stderr)
     if a.json:
         from mk.perf.results import provenance
         per = ", ".join(f"{u} {c['bundles_per_head']}" for u, c in res.items() if "bundles_per_head" in c)
