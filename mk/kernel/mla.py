@@ -2,9 +2,11 @@
 
 Projections stream through the ring (fused q_a|kv_a|g, then q_b, then kv_b). Attention walks the
 row's cache in 128-position blocks, DMA'd HBM -> VMEM into two buffers, with an online softmax:
-block j + 1 is in flight while block j is attended. The block that holds the row's position gets
-the new key/value merged in (by position mask) before it is used, and is the only block written
-back: only touched slices move. Heads go G at a time (`Plan.attention_heads`, 8 on K3): one loop
+block j + 1 is in flight while block j is attended, and while a row attends its last block the
+next row's first block lands in the other buffer (when that row reads another sequence: a verify
+block's next row reads the block this one writes back, so it waits for it). The buffers alternate
+across rows (`base`). The block that holds the row's position gets the new key/value merged in (by
+position mask) before it is used, and is the only block written back: only touched slices move. Heads go G at a time (`Plan.attention_heads`, 8 on K3): one loop
 step forms G heads' scores in one batched product and updates their softmax state together (on
 the v5e at B = 8, 2048 attended tokens cost 2.48 ms over 1 token with one head per step, 0.61 ms
 with 8, of which the cache blocks' DMA is about 0.5 ms).
@@ -46,10 +48,20 @@ def _copy_block(r, b, i, j, buf, *, wait: bool, to_hbm: bool = False):
             copy.start()
 
 
-def _attend_row(k, b, i):
+def _next_row_prefetched(r, b: int, batch: int):
+    """Whether row b + 1's first cache block is fetched while row b attends its last one: row b + 1
+    exists and reads another sequence (traced, from the SMEM row table)."""
+    if b + 1 >= batch:
+        return jnp.bool_(False)
+    return r.row_seq[b + 1] != r.row_seq[b]
+
+
+def _attend_row(k, b, i, base):
     """Online-softmax attention of row b over its sequence's positions 0..row_pos[b]; writes
     the row's key/value at row_pos[b] and attn_out row b. Heads go G at a time
-    (`Plan.attention_heads`): one step of each head loop handles heads h0..h0 + G - 1."""
+    (`Plan.attention_heads`): one step of each head loop handles heads h0..h0 + G - 1. Block j
+    lands in buffer (base + j) % 2 (base: traced int32, the blocks of the rows before);
+    returns the next row's base."""
     cfg, r = k.cfg, k.refs
     H, D, Kc, G = k.plan.heads, cfg.head_dim, cfg.k_cache_dim, k.plan.attention_heads
     pos = r.row_pos[b]
@@ -77,16 +89,27 @@ def _attend_row(k, b, i):
             return c
         jax.lax.fori_loop(0, H // G, step, 0)
 
-    _copy_block(r, b, i, 0, 0, wait=False)
+    def fetch_first():
+        _copy_block(r, b, i, 0, base % 2, wait=False)
+    if b == 0:
+        fetch_first()
+    else:                                           # else the row before started it (`_next_row_prefetched`)
+        pl.when(~_next_row_prefetched(r, b - 1, k.plan.batch))(fetch_first)
+    prefetch_row = _next_row_prefetched(r, b, k.plan.batch)      # [] bool
 
     def block(j, carry):
-        buf = j % 2
+        buf = (base + j) % 2
         _copy_block(r, b, i, j, buf, wait=True)
         last = j == n_blocks - 1
 
         @pl.when(~last)
         def _prefetch_next():                       # block j + 1 lands while block j is attended
             _copy_block(r, b, i, j + 1, 1 - buf, wait=False)
+
+        if b + 1 < k.plan.batch:
+            @pl.when(last & prefetch_row)
+            def _prefetch_next_row():               # the next row's first block lands meanwhile
+                _copy_block(r, b + 1, i, 0, 1 - buf, wait=False)
 
         k_block, v_block = r.k_block.at[buf], r.v_block.at[buf]                 # [H, 128, Kc], [H, 128, D]
         here = slot_iota == pos - j * BLOCK                                  # [128, 1]
@@ -121,6 +144,7 @@ def _attend_row(k, b, i):
             gate = bf(sigmoid(r.mla_gate[pl.ds(b, 1), pl.ds(off, D)]))
             r.attn_out[pl.ds(b, 1), pl.ds(off, D)] = bf(f32(bf(o[g])) * f32(gate))
     head_loop(output)
+    return base + n_blocks
 
 
 def mla(k, a, i):
@@ -143,7 +167,8 @@ def mla(k, a, i):
         r.mla_q[...] = bf(ring.matmul(c_q, q_b)[:, :r.mla_q.shape[1]])
         r.mla_kv[...] = bf(ring.matmul(c_kv, kv_b)[:, :r.mla_kv.shape[1]])
     with jax.named_scope("mla_attention"):
+        base = jnp.int32(0)
         for b in range(k.plan.batch):                    # in row order: causal within a verify block
-            _attend_row(k, b, i)
+            base = _attend_row(k, b, i, base)
     with jax.named_scope("mla_out_proj"):
         return all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])

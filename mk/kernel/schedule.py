@@ -266,13 +266,15 @@ def megakernel(plan, distinct_experts: list[float]):
                     # spec 3.6: read the touched 128-token block, merge the new rows, write it back
                     vector(l, "mla_commit", 0, 2 * block, hbm_bytes=block, writeback_bytes=block)
                 elif mla:   # mk's kernel (`mk.kernel.mla`): row after row, the row's cache blocks DMA'd in
-                    # (the first waited cold, each next in flight while one is attended), then the block
-                    # holding the new key / value written back and waited before the next row starts
+                    # (each next in flight while one is attended; a row's first while the row before
+                    # attends, where that row is of another sequence), then the block holding the new
+                    # key / value written back and waited before the next row starts
                     cache = H * plan.ctx * (c.k_cache_dim + D) * 2
                     block = H * 128 * (c.k_cache_dim + D) * 2
-                    for _ in range(B):
+                    for row in range(B):
+                        lead = 2 if row and row % plan.seq_rows == 0 else 0
                         vector(l, "mla_attention", 2 * H * plan.ctx * (c.qk_head_dim + D) + 5 * H * plan.ctx,
-                               2 * cache, hbm_bytes=cache)
+                               2 * cache, hbm_bytes=cache, hbm_lead=lead)
                         vector(l, "mla_cache_write", 0, 0, hbm_bytes=block)
                 else:       # mk's kernel starts the state read at KDA entry, before the projections
                     kw = (dict(hbm_bytes=state_bytes, hbm_lead=len(b.phases) - am - 1) if not look
