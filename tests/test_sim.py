@@ -341,10 +341,10 @@ def test_mk_plan_prediction_and_its_bubbles(mk_b1):
 
 
 # Modelled step of mk's plan on tpu-v7x16 (pinned as the seed's schedule's are: a change to the model or
-# to the plan shows here first). README: 4.75 / 5.50 / 7.03 / 9.92 ms; the goal (25% faster than the
+# to the plan shows here first). docs/performance.md: 4.76 / 5.54 / 7.10 / 10.04 ms; the goal (25% faster than the
 # seed's schedule, 3.2 ms at B = 1) is not reached: the MXU at the assumed 256-row weight push and
 # 6 latency-bound collective phases per layer do not overlap.
-MK_PINNED_MS = {1: 4.75, 2: 5.50, 4: 7.03, 8: 9.92}
+MK_PINNED_MS = {1: 4.764, 2: 5.541, 4: 7.095, 8: 10.04}
 
 
 @pytest.fixture(scope="module")
@@ -448,7 +448,7 @@ K3_CHIP = get_config("k3-chip")
 # Modelled step (ms) of mk's kernel on tpu-v5e, k3-chip (pinned), under uniform routing. Measured on
 # the chip by `mk bench` (data/published.csv, from the bench outputs below, device time per step):
 # bf16 6.06 / 6.69 ms, MXFP4 5.47 / 5.99 ms at B = 1 / 8; the model reads none of them.
-V5E_PINNED_MS = {("bf16", 1): 5.864, ("bf16", 8): 7.40, ("mxfp4", 1): 5.311, ("mxfp4", 8): 6.299}
+V5E_PINNED_MS = {("bf16", 1): 5.939, ("bf16", 8): 7.514, ("mxfp4", 1): 5.353, ("mxfp4", 8): 6.413}
 V5E_RUN = REPO / "docs" / "tpu-v5e"                                   # the measured steps of data/published.csv
 BENCH_JSON = {"bf16": "2026-12-06c/bench-k3chip-bf16.json", "mxfp4": "2026-12-06e/bench-k3chip-mxfp4-pairs_mul.json"}
 # benches whose kernel rows carry the experts the fair XLA step routed (the kernel-only pairs_mul run has none)
