@@ -6,10 +6,11 @@ block j + 1 is in flight while block j is attended, and while a row attends its 
 next row's first block lands in the other buffer (when that row reads another sequence: a verify
 block's next row reads the block this one writes back, so it waits for it). The buffers alternate
 across rows (`base`). The block that holds the row's position gets the new key/value merged in (by
-position mask) before it is used, and is the only block written back: only touched slices move. Heads go G at a time (`Plan.attention_heads`, 8 on K3): one loop
-step forms G heads' scores in one batched product and updates their softmax state together (on
-the v5e at B = 8, 2048 attended tokens cost 2.48 ms over 1 token with one head per step, 0.61 ms
-with 8, of which the cache blocks' DMA is about 0.5 ms).
+position mask) before it is used, and is the only block written back: only touched slices move.
+Heads go G at a time (`Plan.attention_heads`, 8 on K3): one loop step forms G heads' scores in one
+batched product and updates their softmax state together (on the v5e at B = 8, 2048 attended
+tokens cost 2.48 ms over 1 token with one head per step, 0.61 ms with 8, of which the cache
+blocks' DMA is about 0.5 ms).
 
 The row model: row b reads and writes the cache of its sequence `row_seq[b]` at its position
 `row_pos[b]` (SMEM). Rows run in order, so the rows of a verify block (consecutive positions of
