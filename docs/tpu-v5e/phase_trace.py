@@ -14,6 +14,9 @@ where the TraceMeStart / TraceMeEnd `vtrace` pairs that libtpu makes of the name
 says so) most likely land: it now reads that line, reports each engine's busy time
 ("engines_busy_ms") and what each line holds ("lines_inside").
 
+Each row steps its own random token, so at B > 1 the rows route apart as `mk bench`'s do (the
+2026-12-06h run stepped zeros in every row: its B = 8 read B = 1's experts).
+
 Region tracing instruments the kernel (each region start and stop is an instruction), so the traced
 step is slower than the plain one; `instrumented_ms` is its time, `plain_ms` the same step untraced
 by regions is not measured here (`mk bench` measures it). Shares of the step are what to read.
@@ -101,7 +104,7 @@ def trace_batch(args, cfg, params, batch, plan_chip, hw_chip, flags, argv) -> di
     args = argparse.Namespace(**{**vars(args), "batch": batch})
     plan = make_plan(cfg, args.batch, chip=plan_chip, experts=args.experts, ctx=256)
     step = _kernel_step(plan, params, {"key": None, "weights": None})
-    tok = jnp.zeros((args.batch,), jnp.int32)
+    tok = jax.random.randint(jax.random.PRNGKey(args.seed), (args.batch,), 0, cfg.vocab, jnp.int32)   # rows route apart
     cache = reference.init_cache(cfg, args.batch, 256)
     t0 = time.perf_counter()
     for _ in range(2):                           # compile and warm, outside the trace
