@@ -560,15 +560,18 @@ def test_v5e_model_of_the_routed_step_is_within_10_percent_of_its_device_time(ex
 
 def test_simulate_routed_from_a_bench_file(capsys):
     """`mk simulate --routed-from BENCH_JSON`: mk's plan reads the experts the benched steps routed
-    and is set beside that bench's kernel step; a file of another expert format is refused."""
+    and is set beside that bench's kernel step, at the context its device steps attend (one cache
+    block, unless --context says otherwise); a file of another expert format is refused."""
     from mk.__main__ import main
     bench = str(V5E_RUN / BENCH_JSON["bf16"])
     assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1,8", "--experts", "bf16",
                  "--routed-from", bench, "--json"]) == 0
-    rows = {r["batch"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["context"] == 128                                     # the bench's device steps: one cache block
+    rows = {r["batch"]: r for r in rep["rows"]}
     assert rows[8]["mk_distinct_experts"] == [9.95, 9.8] and "device time, bench-k3chip-bf16.json" in rows[8]["mk_measured"]
     assert rows[8]["mk_measured_step_s"] == pytest.approx(6.6895e-3, rel=1e-3)
-    uniform = sim.predict(K3_CHIP, 8, "tpu-v5e", experts="bf16")["mk"]["step_time_s"]
+    uniform = sim.predict(K3_CHIP, 8, "tpu-v5e", context=128, experts="bf16")["mk"]["step_time_s"]
     assert rows[8]["mk"]["step_time_s"] < 0.9 * uniform             # fewer distinct experts than uniform routing
     assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1", "--experts", "mxfp4",
                  "--routed-from", bench]) == 2

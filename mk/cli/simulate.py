@@ -31,7 +31,8 @@ def add_parser(subparsers):
                         "(default: tpu-v7x16)")
     p.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes, 1..8 (default: 1,2,4,8)")
     p.add_argument("--context", type=positive_int, default=None,
-                   help="mean attended tokens per sequence, a multiple of 128 (default: 512, the benchmark's mean position)")
+                   help="mean attended tokens per sequence, a multiple of 128 (default: 512, the benchmark's mean "
+                        "position; with --routed-from, 128: the bench's device steps attend one cache block)")
     p.add_argument("--plan", choices=("both", "seed", "mk"), default="both",
                    help="which plan to model: the seed's schedule, mk's plan, or both (default)")
     p.add_argument("--experts", choices=("bf16", "mxfp4"), default=None,
@@ -59,6 +60,9 @@ def add_parser(subparsers):
 def _measured_source(rows: list[dict]) -> str:
     """Where the rows' measured steps come from: a bench file (--routed-from) or data/published.csv."""
     return "; ".join(dict.fromkeys(r.get("mk_measured", "data/published.csv") for r in rows if "mk_measured_step_s" in r))
+
+
+ROUTED_CONTEXT = 128   # --routed-from's default context: one cache block, what a bench's device steps attend
 
 
 def routed_from(path: str, config: str, experts: str | None, batches: list[int]) -> dict[int, dict]:
@@ -295,6 +299,8 @@ def run(args) -> int:
     batches = _batches(args.batch)
     plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
     routed = routed_from(args.routed_from, args.config, args.experts, batches) if args.routed_from else None
+    if routed and args.context is None:      # `mk bench` times each case's device steps from a new cache
+        args.context = ROUTED_CONTEXT        # (positions 0..4), so like for like the rows attend one block
     report = collect(args.config, systems, batches, args.context, not args.mean_experts, plans, args.trace,
                      args.microbench, args.experts, args.mxfp4_matmul, args.sensitivity, routed)
     if args.sensitivity:
