@@ -424,6 +424,27 @@ def test_bit_exact_on_mini_tp8_batch8():
 
 
 # ---- 4b. the depth presets' thin widths: 256 x 256 tiles, 16 in flight -------------------------------
+def thin_widths_config():
+    """k3-d48's widths in two layers (an MLA layer second), 4 experts top-2, vocab 512."""
+    return get_config("k3-d48").replace(layers=2, full_attention=(1,), vocab=512, experts=4, top_k=2,
+                                        dense_hidden=1024)
+
+
+def step_close_to_reference(step_fn, params, cfg, tokens) -> float:
+    """One step from a new cache, kernel vs reference: logits within 1e-5 of the reference's largest,
+    the same greedy tokens, every cache within 1e-5. Returns the max |logit error|."""
+    cache = reference.init_cache(cfg, len(tokens), 128)
+    k_logits, k_cache = kernel_step(step_fn, cache, tokens)
+    r_logits, r_cache = reference.decode_step(params, cache, jnp.asarray(tokens), cfg=cfg)
+    err = float(np.max(np.abs(k_logits - np.asarray(r_logits))))
+    assert err <= 1e-5 * float(np.max(np.abs(np.asarray(r_logits)))), err
+    assert (k_logits.argmax(-1) == np.asarray(r_logits).argmax(-1)).all()
+    for n in CACHE_KEYS:
+        a, b = np.asarray(k_cache[n], np.float32), np.asarray(r_cache[n], np.float32)
+        assert a.shape == b.shape and (not a.size or float(np.max(np.abs(a - b))) <= 1e-5), n   # seen: 2.4e-7
+    return err
+
+
 @pytest.mark.slow
 def test_thin_widths_step_on_the_default_small_tiles():
     """k3-d48's widths (d 1792 = 3.5 x 512, 12 heads x 128, latent 1024, expert FFN 768 = 1.5 x 512)
@@ -435,21 +456,13 @@ def test_thin_widths_step_on_the_default_small_tiles():
     full = get_config("k3-d48")
     assert default_tile(full) == (256, 256) and default_prefetch_depth((256, 256)) == 16
     assert stream_bytes(full, (256, 256)) < 0.87 * stream_bytes(full, (512, 512))
-    cfg = full.replace(layers=2, full_attention=(1,), vocab=512, experts=4, top_k=2, dense_hidden=1024)
+    cfg = thin_widths_config()
     params = params_mod.init(cfg, 0)
     step_fn = make_step_fn(params, cfg, 1, ctx=128, interpret=interpret_params(detect_races=True))
     assert (step_fn.plan.tile_k, step_fn.plan.tile_n, step_fn.plan.prefetch_depth) == (256, 256, 16)
-    cache = reference.init_cache(cfg, 1, 128)
-    k_logits, k_cache = kernel_step(step_fn, cache, np.array([7], np.int32))
-    r_logits, r_cache = reference.decode_step(params, cache, jnp.asarray([7], jnp.int32), cfg=cfg)
     # Not bit-exact: a 256-row tile adds its fp32 partial product to the accumulator where the
     # reference sums 512 rows in one dot (the fp32 sum in another order: last-bit differences).
-    err = float(np.max(np.abs(k_logits - np.asarray(r_logits))))
-    assert 0 < err <= 1e-5 * float(np.max(np.abs(np.asarray(r_logits)))), err
-    assert (k_logits.argmax(-1) == np.asarray(r_logits).argmax(-1)).all()
-    for n in CACHE_KEYS:
-        a, b = np.asarray(k_cache[n], np.float32), np.asarray(r_cache[n], np.float32)
-        assert a.shape == b.shape and (not a.size or float(np.max(np.abs(a - b))) <= 1e-5), n   # seen: 2.4e-7
+    assert step_close_to_reference(step_fn, params, cfg, np.array([7], np.int32)) > 0
 
 
 @pytest.mark.slow
@@ -461,20 +474,10 @@ def test_thin_widths_mxfp4_step_on_padded_512_tiles():
     from mk.io import convert
     from mk.kernel.plan import default_tile
 
-    full = get_config("k3-d48")
-    assert default_tile(full, experts="mxfp4") == (512, 512)
-    cfg = full.replace(layers=2, full_attention=(1,), vocab=512, experts=4, top_k=2, dense_hidden=1024)
+    assert default_tile(get_config("k3-d48"), experts="mxfp4") == (512, 512)
+    cfg = thin_widths_config()
     packed = jax.device_get(params_mod.init_fast(cfg, 1, "mxfp4"))
     params = convert.dequantize_experts(packed)
     step_fn = make_step_fn(packed, cfg, 2, ctx=128, interpret=interpret_params(detect_races=True))
     assert (step_fn.plan.experts, step_fn.plan.tile_k, step_fn.plan.tile_n) == ("mxfp4", 512, 512)
-    cache = reference.init_cache(cfg, 2, 128)
-    tok = np.array([7, 300], np.int32)
-    k_logits, k_cache = kernel_step(step_fn, cache, tok)
-    r_logits, r_cache = reference.decode_step(params, cache, jnp.asarray(tok), cfg=cfg)
-    err = float(np.max(np.abs(k_logits - np.asarray(r_logits))))
-    assert err <= 1e-5 * float(np.max(np.abs(np.asarray(r_logits)))), err          # seen: 0 (bit-exact)
-    assert (k_logits.argmax(-1) == np.asarray(r_logits).argmax(-1)).all()
-    for n in CACHE_KEYS:
-        a, b = np.asarray(k_cache[n], np.float32), np.asarray(r_cache[n], np.float32)
-        assert a.shape == b.shape and (not a.size or float(np.max(np.abs(a - b))) <= 1e-5), n
+    step_close_to_reference(step_fn, params, cfg, np.array([7, 300], np.int32))          # seen: 0 (bit-exact)

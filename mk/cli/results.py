@@ -38,7 +38,8 @@ def run(args) -> int:
         written = save_figure(records_figure(records), path.stem, path.parent)
         print(f"wrote {written}")
         return 0
-    table = results.results_table(results.headline(records))
+    shown = results.headline(records)
+    table = results.results_table(shown)
     if args.write:
         changed = results.write_block(args.write, table)
         print(f"{args.write}: results block {'rewritten' if changed else 'already current'} "
@@ -57,7 +58,7 @@ def run(args) -> int:
             return 1
         print(f"{args.check}: results block current")
         return 0
-    detail = [pr for pr in records if pr not in results.headline(records)]
+    detail = [pr for pr in records if pr not in shown]
     print(table)
     if detail:
         print("\nDetail records (LLO counts, phase traces; not in the README):\n")

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.kernel.collectives import all_reduce
+from mk.kernel.kda import first_of_sequence
 from mk.model.layers.common import bf, f32, rms, sigmoid
 from mk.model.layers.mla import BLOCK, attend_block, softmax_start
 
@@ -47,14 +48,6 @@ def _copy_block(r, b, i, j, buf, *, wait: bool, to_hbm: bool = False):
             copy.wait()
         else:
             copy.start()
-
-
-def _next_row_prefetched(r, b: int, batch: int):
-    """Whether row b + 1's first cache block is fetched while row b attends its last one: row b + 1
-    exists and reads another sequence (traced, from the SMEM row table)."""
-    if b + 1 >= batch:
-        return jnp.bool_(False)
-    return r.row_seq[b + 1] != r.row_seq[b]
 
 
 def _attend_row(k, b, i, base):
@@ -94,9 +87,8 @@ def _attend_row(k, b, i, base):
         _copy_block(r, b, i, 0, base % 2, wait=False)
     if b == 0:
         fetch_first()
-    else:                                           # else the row before started it (`_next_row_prefetched`)
-        pl.when(~_next_row_prefetched(r, b - 1, k.plan.batch))(fetch_first)
-    prefetch_row = _next_row_prefetched(r, b, k.plan.batch)      # [] bool
+    else:                                           # a row starting its sequence: row b - 1 started it
+        pl.when(~first_of_sequence(r, b))(fetch_first)
 
     def block(j, carry):
         buf = (base + j) % 2
@@ -108,7 +100,7 @@ def _attend_row(k, b, i, base):
             _copy_block(r, b, i, j + 1, 1 - buf, wait=False)
 
         if b + 1 < k.plan.batch:
-            @pl.when(last & prefetch_row)
+            @pl.when(last & first_of_sequence(r, b + 1))
             def _prefetch_next_row():               # the next row's first block lands meanwhile
                 _copy_block(r, b + 1, i, 0, 1 - buf, wait=False)
 
