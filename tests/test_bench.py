@@ -231,7 +231,8 @@ def test_tile_option_is_checked_before_the_tpu_and_reaches_the_plan(monkeypatch)
 def test_record_key_names_what_changes_the_measurement():
     """A step record's key (`mk.cli.bench.record_key`): config and experts; the options that change
     the kernel; the batches only where B = 1 and 8 are missing, so a B = 2, 4 record supersedes no
-    B = 1, 8 record of the same model."""
+    B = 1, 8 record of the same model; the programs where they are no race, so a kernel-alone record
+    supersedes no race."""
     import argparse
 
     from mk.cli.bench import record_key
@@ -240,6 +241,9 @@ def test_record_key_names_what_changes_the_measurement():
     assert record_key(a, "k3-d48", None, [1, 2, 4, 8]) == {"config": "k3-d48", "experts": "mxfp4"}
     assert record_key(a, "k3-d48", (512, 256), [2, 4]) == {"config": "k3-d48", "experts": "mxfp4",
                                                            "tile": "512x256", "batch": "2,4"}
+    assert record_key(a, "k3-d48", None, [1, 8], ["kernel", "peer"]) == {"config": "k3-d48", "experts": "mxfp4"}
+    assert record_key(a, "k3-d48", None, [1, 8], ["kernel"])["impl"] == "kernel"     # no race: its own key
+    assert record_key(a, "k3-d48", None, [2, 4], ["xla", "peer"])["impl"] == "xla,peer"
     a = argparse.Namespace(experts="bf16", mxfp4_unpack="pairs", prefetch_depth=8)
     assert record_key(a, "k3-chip", None, [8]) == {"config": "k3-chip", "experts": "bf16", "mxfp4_unpack": "pairs",
                                                    "prefetch_depth": 8, "batch": "8"}

@@ -88,3 +88,12 @@ def test_records_figure_draws_each_impl_of_a_race(tmp_path):
     fig = records_figure(results.find_records(tmp_path))   # a later kernel-alone tile of a raced case: its own bar
     assert fig.data[-1].name == "mk megakernel, 512 x 256 tiles (kernel alone, 2026-12-07)"
     assert list(fig.data[-1].y) == [None, 2000.0] and list(fig.data[0].y) == [200.0, 1000.0]
+    _rec(tmp_path / "n.json", "bench", {"config": "k3-chip", "experts": "bf16", "impl": "kernel"},
+         "2026-12-08T10:00:00", "s", commit="c" * 40, rows=[{"impl": "kernel", "batch": 1, "device_median_ms": 4.0}])
+    fig = records_figure(results.find_records(tmp_path))   # a later kernel alone, default tile: a bar by its commit
+    assert [t.name for t in fig.data][-2:] == ["mk megakernel, 512 x 256 tiles (kernel alone, 2026-12-07)",
+                                               f"mk megakernel at {'c' * 7} (kernel alone, 2026-12-08)"]
+    assert list(fig.data[-1].y) == [250.0, None] and list(fig.data[0].y) == [200.0, 1000.0]
+    _rec(tmp_path / "b2.json", "bench", {"config": "k3-chip", "experts": "bf16"}, "2026-12-09T10:00:00", "s", rows=rows)
+    fig = records_figure(results.find_records(tmp_path))   # a newer race: the older kernel-alone bars go
+    assert len(fig.data) == 3

@@ -150,3 +150,25 @@ def test_k_beyond_the_plan_is_refused(params):
     assert plan.batch == MAX_ROWS and list(plan.tables()["row_seq"]) == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [b.name for b in plan.buffers if b.output] == ["logits", "p", "aux"]
     assert next(b for b in plan.buffers if b.name == "aux").shape == (len(AUX), 8, CFG.dim)
+
+
+def test_chip_policy_compares_each_token_with_the_teacher_forced_oracle(params):
+    """`mk check --speculative` on a TPU (`check_speculative`'s chip policy): row i of `forced_logits` is
+    what plain greedy decoding sees before its token i, so along plain greedy's own tokens every
+    argmax is that token and `greedy_flips` finds none; a token off the argmax is a flip whose
+    `ref_margin` is the oracle's top logit minus the token's, a pass only below its near-tie bound."""
+    from mk.kernel.check import forced_logits, greedy_flips
+    from mk.model.layers.common import K_CHUNK
+    prompt = np.asarray([(i * 37 + 11) % CFG.vocab for i in range(5)], np.int32)
+    plain = np.asarray(ref.generate(params, CFG, prompt[None], 6, ctx=CTX)["tokens"])[0]
+    logits = forced_logits(CFG, params, prompt, plain, ctx=CTX, device=jax.devices("cpu")[0],
+                           expert_k_chunk=K_CHUNK)
+    assert logits.shape == (6, CFG.vocab)
+    np.testing.assert_array_equal(logits.argmax(-1), plain)
+    assert greedy_flips(plain, logits, 0.05) == []
+    other = plain.copy()
+    other[3] = np.argsort(logits[3])[-2]                      # the oracle's second choice at position 3
+    gap = float(logits[3].max() - logits[3, other[3]])
+    (flip,) = greedy_flips(other, logits, [0.05] * 6)
+    assert flip == {"position": 3, "token": int(other[3]), "greedy": int(plain[3]), "ref_margin": gap,
+                    "near_tie_below": 0.05}

@@ -87,7 +87,7 @@ def run(args) -> int:
                           peer_format=peer_format if "peer" in impls else None)
     if args.json:
         from mk.perf.results import provenance
-        record = provenance("bench", record_key(args, meta["config"], tile, batches), bench.summary(rows))
+        record = provenance("bench", record_key(args, meta["config"], tile, batches, impls), bench.summary(rows))
         json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -95,10 +95,11 @@ def run(args) -> int:
     return 0
 
 
-def record_key(args, config: str, tile, batches: list[int]) -> dict:
+def record_key(args, config: str, tile, batches: list[int], impls=("kernel", "xla")) -> dict:
     """What a step record measured, for `mk results` (a later record of the same key supersedes it):
-    config and experts, then each option that changes the kernel, and the batches when B = 1 and 8
-    (the headline's) are not among them."""
+    config and experts, then each option that changes the kernel, the batches when B = 1 and 8
+    (the headline's) are not among them, and the programs when they are not a race (the kernel
+    beside XLA or the peer)."""
     key = {"config": config, "experts": args.experts}
     if args.mxfp4_unpack != "auto":
         key["mxfp4_unpack"] = args.mxfp4_unpack
@@ -108,6 +109,8 @@ def record_key(args, config: str, tile, batches: list[int]) -> dict:
         key["tile"] = f"{tile[0]}x{tile[1]}"
     if not {1, 8} <= set(batches):
         key["batch"] = ",".join(map(str, batches))
+    if "kernel" not in impls or not {"xla", "peer"} & set(impls):
+        key["impl"] = ",".join(impls)
     return key
 
 

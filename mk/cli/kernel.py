@@ -187,10 +187,22 @@ def _run_check_speculative(cfg, args) -> int:
                             agree=args.agree, seed=args.seed, ctx=args.ctx, detect_races=not args.no_races)
     res["config"] = args.config
     if args.json:
-        print(json.dumps(res, indent=1))
+        from mk.perf.results import provenance
+        far = sum(not f["ref_margin"] < f["near_tie_below"] for f in res.get("greedy_flips", []))
+        summary = (f"{res['verdict']}; {res['new_tokens']} tokens, k = {k}, {res['full']} / {res['partial']} / "
+                   f"{res['zero']} steps of full / partial / no acceptance; "
+                   + (f"{len(res['greedy_flips'])} token(s) off the oracle's argmax, {far} away from a near tie"
+                      if res["policy"] == "chip" and "greedy_flips" in res else
+                      "tokens equal to plain greedy" if res["tokens_equal"] else
+                      f"tokens differ from position {res['first_difference']}"))
+        key = {"config": args.config, "k": k, "mesh": args.mesh or 1}
+        print(json.dumps(_finite({"record": provenance("check_speculative", key, summary)} | res), indent=1,
+                         allow_nan=False))
     else:
         for key, v in res.items():
-            print(f"{key:>18}: {v}")
+            if key not in ("reasons", "verdict"):
+                print(f"{key:>18}: {v}")
+        print(f"{'verdict':>18}: {res['verdict']}" + "".join(f"\n{'':>20}{r}" for r in res["reasons"]))
     return 0 if res["verdict"] == "pass" else 1
 
 

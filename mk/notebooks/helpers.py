@@ -432,16 +432,16 @@ def run_output_dir(name: str, fallback: str) -> str:
 # ---- the measured records as a figure (the README's headline, notebook 04) --------------------------
 IMPL_LABELS = {"kernel": "mk megakernel", "xla": "fair XLA step", "peer": "fair XLA step + vLLM TPU fused MoE (peer)",
                "xla-ragged": "fair XLA step (ragged_dot MoE)"}
-TILE_STYLES = (("#6baed6", "."), ("#08306b", "-"), ("#9ecae1", "+"))   # kernel-alone bars at other tiles
+TILE_STYLES = (("#6baed6", "."), ("#08306b", "-"), ("#9ecae1", "+"), ("#4292c6", "/"))   # kernel-alone bars
 IMPL_STYLE = {"kernel": ("#1f77b4", ""), "xla": ("#ff7f0e", "/"), "peer": ("#2ca02c", "x"), "xla-ragged": ("#9467bd", ".")}
 
 
 def records_figure(records):
     """Decode tokens/s from device time (the step program alone, from a profiler trace) of each impl,
     at each (config, experts, batch) of the newest bench records that raced the kernel against a
-    rival: a grouped bar chart whose bars carry their values. A later kernel-alone record at another
-    tile (`mk bench --tile`, its key names the tile) of a raced case adds a bar of its own, labelled
-    with the tile. records: `mk.perf.results.find_records`."""
+    rival: a grouped bar chart whose bars carry their values. A kernel-alone record of a raced case
+    no older than the race (`mk bench --impl kernel`: at another tile, its key names the tile, or a
+    later kernel) adds a bar of its own, labelled with the tile or the commit. records: `mk.perf.results.find_records`."""
     import plotly.graph_objects as go
 
     rows = [r for r in record_rows(records, "bench") if r["impl"] != "reference" and r.get("device_median_ms")]
@@ -456,7 +456,7 @@ def records_figure(records):
             layers = 1 << 20
         return (r.get("experts") != "bf16", layers, str(r.get("config")), r["batch"])
     peer_fmt = {run(r): r.get("peer_format") for r in rows if r["impl"] == "peer"}
-    groups, values, labels, case = [], {}, dict(IMPL_LABELS), {}
+    groups, values, labels, case, raced = [], {}, dict(IMPL_LABELS), {}, {}
     for r in sorted(rows, key=order):
         if len(impls[run(r)]) < 2 or r.get("tile"):
             continue                                      # the kernel alone: no comparison to draw
@@ -465,14 +465,19 @@ def records_figure(records):
              + f"<br>B = {r['batch']}")
         groups.append(g) if g not in groups else None
         case[r.get("config"), r.get("experts"), r["batch"]] = g
+        raced[g] = r["date"]
         values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     if not values:
         raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
-    for r in rows:                                        # kernel-alone records at another tile
+    for r in rows:                                        # kernel-alone records: another tile, or a later kernel
         g = case.get((r.get("config"), r.get("experts"), r["batch"]))
-        if r.get("tile") and r["impl"] == "kernel" and g:
-            name = f"kernel@{r['tile']}"
-            labels[name] = f"mk megakernel, {r['tile'].replace('x', ' x ')} tiles (kernel alone, {r['date']})"
+        if r["impl"] == "kernel" and g and impls[run(r)] == {"kernel"} and r["date"] >= raced[g]:
+            if r.get("tile"):
+                name = f"kernel@{r['tile']}"
+                labels[name] = f"mk megakernel, {r['tile'].replace('x', ' x ')} tiles (kernel alone, {r['date']})"
+            else:
+                name = f"kernel@{r['commit']}"
+                labels[name] = f"mk megakernel at {r['commit']} (kernel alone, {r['date']})"
             values.setdefault(name, {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     fig = go.Figure()
     extra = iter(TILE_STYLES)
