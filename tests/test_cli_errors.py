@@ -107,6 +107,7 @@ CASES = [
     (["check", "--batch", "9"], "batch must be in 1..8, found 9"),
     (["check", "--steps", "0"], "argument --steps: must be at least 1"),
     (["check", "--speculative", "8"], "k = 8 drafts: a verify step of batch 1 x (1 + k) = 9 rows exceeds"),
+    (["check", "--speculative", "2", "--batch", "3"], "k = 2 drafts: a verify step of batch 3 x (1 + k) = 9 rows exceeds"),
     (["check", "--speculative", "3", "--new-tokens", "200"], "--prompt-len 100 + --new-tokens 200 + k + 1 exceed --ctx 256"),
     (["check", "--speculative", "3", "--agree", "1.5"], "--agree must lie in [0, 1], found 1.5"),
     (["check", "--ctx", "100"], "argument --ctx: must be a positive multiple of 128"),

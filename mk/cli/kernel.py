@@ -34,7 +34,8 @@ def add_parser(sub):
     p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
                    help="instead: greedy speculative decoding through the kernel's verify step (K drafts "
                         "per step, a test drafter agreeing with probability --agree) against plain greedy "
-                        "decoding, for --new-tokens tokens after a --prompt-len token prompt")
+                        "decoding, --batch sequences of --new-tokens tokens after --prompt-len token prompts "
+                        "(on a TPU: each token against the CPU oracle teacher-forced along them)")
     p.add_argument("--new-tokens", type=positive_int, default=64)
     p.add_argument("--prompt-len", type=positive_int, default=100)
     p.add_argument("--agree", type=float, default=0.6)
@@ -181,21 +182,22 @@ def _run_check_speculative(cfg, args) -> int:
         raise UserError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} + k + 1 exceed --ctx {args.ctx}")
     if not 0.0 <= args.agree <= 1.0:
         raise UserError(f"--agree must lie in [0, 1], found {args.agree}")
-    make_plan(cfg, 1, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh), k=k)   # bad k: before any work
+    make_plan(cfg, args.batch, ctx=args.ctx, check=False, layout=_layout(cfg, args.mesh), k=k)   # bad k: first
     _enough_devices(args.mesh)
-    res = check_speculative(cfg, k, args.new_tokens, mesh=args.mesh or 1, prompt_len=args.prompt_len,
-                            agree=args.agree, seed=args.seed, ctx=args.ctx, detect_races=not args.no_races)
+    res = check_speculative(cfg, k, args.new_tokens, batch=args.batch, mesh=args.mesh or 1,
+                            prompt_len=args.prompt_len, agree=args.agree, seed=args.seed, ctx=args.ctx,
+                            detect_races=not args.no_races)
     res["config"] = args.config
     if args.json:
         from mk.perf.results import provenance
         far = sum(not f["ref_margin"] < f["near_tie_below"] for f in res.get("greedy_flips", []))
-        summary = (f"{res['verdict']}; {res['new_tokens']} tokens, k = {k}, {res['full']} / {res['partial']} / "
-                   f"{res['zero']} steps of full / partial / no acceptance; "
+        summary = (f"{res['verdict']}; {args.batch} x {res['new_tokens']} tokens, k = {k}, {res['full']} / "
+                   f"{res['partial']} / {res['zero']} steps of full / partial / no acceptance; "
                    + (f"{len(res['greedy_flips'])} token(s) off the oracle's argmax, {far} away from a near tie"
                       if res["policy"] == "chip" and "greedy_flips" in res else
                       "tokens equal to plain greedy" if res["tokens_equal"] else
-                      f"tokens differ from position {res['first_difference']}"))
-        key = {"config": args.config, "k": k, "mesh": args.mesh or 1}
+                      f"tokens differ from plain greedy (first difference per sequence {res['first_difference']})"))
+        key = {"config": args.config, "batch": args.batch, "k": k, "mesh": args.mesh or 1}
         print(json.dumps(_finite({"record": provenance("check_speculative", key, summary)} | res), indent=1,
                          allow_nan=False))
     else:

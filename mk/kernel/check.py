@@ -472,12 +472,13 @@ def greedy_flips(tokens: np.ndarray, oracle: np.ndarray, tie_below) -> list[dict
             for i in np.flatnonzero(tokens != greedy)]
 
 
-def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: int = 1, prompt_len: int = 100,
-                      agree: float = 0.6, seed: int = 0, ctx: int = 256, detect_races: bool = False,
-                      policy: str | None = None) -> dict:
+def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch: int = 1, mesh: int = 1,
+                      prompt_len: int = 100, agree: float = 0.6, seed: int = 0, ctx: int = 256,
+                      detect_races: bool = False, policy: str | None = None) -> dict:
     """Greedy speculative decoding through the kernel's verify step against plain greedy decoding.
 
-    One sequence: a random prompt of `prompt_len` tokens (prefilled by the reference), then
+    `batch` sequences (a verify step of batch x (1 + k) rows): random prompts of `prompt_len` tokens
+    (prefilled by the reference), then
     `new_tokens` tokens, k drafts per step from `mk.kernel.speculative.AgreeingDrafter`, which proposes
     the plain greedy continuation with probability `agree` per draft (so steps of full, zero and
     partial acceptance all occur, and every rejection rolls the KDA/conv state back by its
@@ -491,7 +492,8 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: 
     teacher-forced along the emitted sequence (`forced_logits`); a token other than the oracle's
     argmax (`greedy_flips`) passes only at a near tie, a top gap below max(NEAR_TIE, 2 x XLA on the
     chip's logit error at that position). `policy` ("exact" or "chip") overrides the backend's.
-    Returns {"tokens_equal", "first_difference", "acceptance", "steps", "full", "zero", "partial",
+    Returns {"batch", "tokens_equal", "first_difference" (per sequence), "acceptance" (per sequence),
+    "steps", "full", "zero", "partial" (over every sequence's steps),
     "positions", "crosses_mla_block", "races", "policy", "greedy_flips", "seconds", "verdict",
     "reasons"}."""
     from mk.model import params as params_mod
@@ -509,10 +511,10 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: 
     chip = on_tpu()
     policy = policy or ("chip" if chip else "exact")
     params = params_mod.init(cfg, seed)
-    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, (1, prompt_len), dtype=np.int32)
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
     t0 = time.perf_counter()
     interp = None if chip else interpret_params(detect_races)
-    verifier = KernelVerifier(params, cfg, 1, k, ctx=ctx, interpret=interp, mesh=mesh)
+    verifier = KernelVerifier(params, cfg, batch, k, ctx=ctx, interpret=interp, mesh=mesh)
     if mesh > 1:
         from mk.model import reference_sharded as rs
         oracle = reference.generate(rs.shard_params(params, verifier.mesh), cfg, prompt, new_tokens, ctx=ctx,
@@ -539,12 +541,13 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: 
     res = speculative.generate(params, cfg, prompt, new_tokens, drafter, k, ctx=ctx, verifier=Verifier(),
                                reference_prefill=True)
     got = np.asarray(res["tokens"])
-    acc = [int(a) for a in res["acceptance"][0]]
-    diff = np.flatnonzero(got[0] != oracle[0])
-    out = {"mesh": mesh, "k": k, "new_tokens": new_tokens,
-           "tokens_equal": bool(diff.size == 0), "first_difference": int(diff[0]) if diff.size else None,
-           "acceptance": acc, "steps": len(acc), "full": sum(a == k + 1 for a in acc),
-           "zero": sum(a == 1 for a in acc), "partial": sum(1 < a <= k for a in acc),
+    acc = [[int(a) for a in row] for row in res["acceptance"]]
+    firsts = [int(d[0]) if d.size else None for d in (np.flatnonzero(g != o) for g, o in zip(got, oracle))]
+    every = [a for row in acc for a in row]
+    out = {"batch": batch, "mesh": mesh, "k": k, "new_tokens": new_tokens,
+           "tokens_equal": all(f is None for f in firsts), "first_difference": firsts,
+           "acceptance": acc, "steps": len(acc[0]), "full": sum(a == k + 1 for a in every),
+           "zero": sum(a == 1 for a in every), "partial": sum(1 < a <= k for a in every),
            "positions": [prompt_len, prompt_len + new_tokens - 1],
            "crosses_mla_block": prompt_len // 128 != (prompt_len + new_tokens - 1) // 128,
            "races": races, "policy": policy}
@@ -556,21 +559,26 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, mesh: 
             raise UserError("mk check on a TPU needs JAX's CPU backend for the oracle (JAX_PLATFORMS must allow "
                             "cpu)") from None
         kc = expert_k_chunk(verifier.plan)
-        forced = functools.partial(forced_logits, cfg, params, prompt[0], got[0], ctx=ctx, expert_k_chunk=kc)
-        o_logits = forced(device=cpu)
-        x_err = np.abs(forced(device=jax.devices()[0]) - o_logits).max(-1)
-        flips = greedy_flips(got[0], o_logits, np.maximum(NEAR_TIE, 2 * x_err))
+        flips, x_max = [], 0.0
+        for b in range(batch):
+            forced = functools.partial(forced_logits, cfg, params, prompt[b], got[b], ctx=ctx, expert_k_chunk=kc)
+            o_logits = forced(device=cpu)
+            x_err = np.abs(forced(device=jax.devices()[0]) - o_logits).max(-1)
+            x_max = max(x_max, float(x_err.max()))
+            flips += [{"sequence": b, **f} for f in greedy_flips(got[b], o_logits, np.maximum(NEAR_TIE, 2 * x_err))]
         far = [f for f in flips if not f["ref_margin"] < f["near_tie_below"]]
-        out.update(greedy_flips=flips, xla_max_abs_logit_err=float(x_err.max()),
+        out.update(greedy_flips=flips, xla_max_abs_logit_err=x_max,
                    mode=f"{'compiled' if chip else 'interpreted'} ({jax.devices()[0].device_kind}); oracle: "
                         f"reference on CPU, teacher-forced along the emitted tokens")
         if far:
             f = far[0]
-            reasons.append(f"{len(far)} emitted token(s) away from a near tie (position {f['position']}: token "
+            reasons.append(f"{len(far)} emitted token(s) away from a near tie (sequence {f['sequence']}, position "
+                           f"{f['position']}: token "
                            f"{f['token']}, oracle's {f['greedy']}, top gap {f['ref_margin']:.4f} >= "
                            f"{f['near_tie_below']:.4f})")
     elif not out["tokens_equal"]:
-        reasons.append(f"tokens differ from plain greedy decoding from position {out['first_difference']}"
+        b = next(i for i, f in enumerate(firsts) if f is not None)
+        reasons.append(f"tokens differ from plain greedy decoding (sequence {b} from position {firsts[b]})"
                        + (" (a multi-device chip run compares tokens exactly)" if chip else ""))
     out.update(seconds=time.perf_counter() - t0, verdict="fail" if reasons else "pass", reasons=reasons)
     return out
