@@ -6,7 +6,8 @@ block j + 1 is in flight while block j is attended, and while a row attends its 
 next row's first block lands in the other buffer (when that row reads another sequence: a verify
 block's next row reads the block this one writes back, so it waits for it). The buffers alternate
 across rows (`base`). The block that holds the row's position gets the new key/value merged in (by
-position mask) before it is used, and is the only block written back: only touched slices move.
+position mask) before it is used, and of it only the 16-position tile that holds the new position is
+written back (`CACHE_WRITE_ROWS`, the bf16 sublane tile): only touched slices move.
 Heads go G at a time (`Plan.attention_heads`, 8 on K3): one loop step forms G heads' scores in one
 batched product and updates their softmax state together (on the v5e at B = 8, 2048 attended
 tokens cost 2.48 ms over 1 token with one head per step, 0.61 ms with 8, of which the cache
@@ -27,22 +28,28 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.kernel.collectives import all_reduce
 from mk.kernel.kda import first_of_sequence
+from mk.kernel.plan import CACHE_WRITE_ROWS
 from mk.model.layers.common import bf, f32, rms, sigmoid
 from mk.model.layers.mla import BLOCK, attend_block, softmax_start
 
 
-def _block_copies(r, b, i, j, buf):
+def _block_copies(r, b, i, j, buf, tile=None):
     """Descriptors for cache block j of row b's sequence, layer i, in VMEM buffer `buf` (0 | 1):
-    (K, V) HBM <-> k_block[buf] [H, 128, Kc], v_block[buf] [H, 128, D]."""
-    rows = pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK)
+    (K, V) HBM <-> k_block[buf] [H, 128, Kc], v_block[buf] [H, 128, D]; with `tile` (traced, a
+    multiple of CACHE_WRITE_ROWS below 128) only the block's positions tile..tile + CACHE_WRITE_ROWS - 1."""
+    if tile is None:
+        at, rows = pl.ds(0, BLOCK), pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK)
+    else:
+        at = pl.ds(pl.multiple_of(tile, CACHE_WRITE_ROWS), CACHE_WRITE_ROWS)
+        rows = pl.ds(pl.multiple_of(j * BLOCK + tile, CACHE_WRITE_ROWS), CACHE_WRITE_ROWS)
     seq = r.row_seq[b]
-    return ((r.mla_k_hbm.at[seq, i, :, rows], r.k_block.at[buf], r.cache_sems.at[buf, 0]),
-            (r.mla_v_hbm.at[seq, i, :, rows], r.v_block.at[buf], r.cache_sems.at[buf, 1]))
+    return ((r.mla_k_hbm.at[seq, i, :, rows], r.k_block.at[buf, :, at], r.cache_sems.at[buf, 0]),
+            (r.mla_v_hbm.at[seq, i, :, rows], r.v_block.at[buf, :, at], r.cache_sems.at[buf, 1]))
 
 
-def _copy_block(r, b, i, j, buf, *, wait: bool, to_hbm: bool = False):
+def _copy_block(r, b, i, j, buf, *, wait: bool, to_hbm: bool = False, tile=None):
     """Start (wait=False) or wait for (wait=True) the K and V copies of `_block_copies`."""
-    for src, dst, sem in _block_copies(r, b, i, j, buf):
+    for src, dst, sem in _block_copies(r, b, i, j, buf, tile):
         copy = pltpu.make_async_copy(dst, src, sem) if to_hbm else pltpu.make_async_copy(src, dst, sem)
         if wait:
             copy.wait()
@@ -123,9 +130,10 @@ def _attend_row(k, b, i, base):
         head_loop(attend)
 
         @pl.when(last)
-        def _write_back():
-            _copy_block(r, b, i, j, buf, wait=False, to_hbm=True)
-            _copy_block(r, b, i, j, buf, wait=True, to_hbm=True)
+        def _write_back():                          # the 16 positions around the new one
+            tile = (pos - j * BLOCK) // CACHE_WRITE_ROWS * CACHE_WRITE_ROWS
+            _copy_block(r, b, i, j, buf, wait=False, to_hbm=True, tile=tile)
+            _copy_block(r, b, i, j, buf, wait=True, to_hbm=True, tile=tile)
         return carry
 
     jax.lax.fori_loop(0, n_blocks, block, 0)

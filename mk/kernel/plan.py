@@ -76,6 +76,9 @@ MXFP4_UNPACK = {"tpu7x": "bitcast", "cpu": "bitcast", "v5e": "pairs_mul"}
 DEFAULT_UNPACK = "pairs"
 # Heads of one row the kernel's MLA loops take per step by default (`ScheduleOptions.attention_heads`).
 ATTENTION_HEADS = 8
+# Cache positions an MLA row writes back: the bf16 sublane tile (16 rows) that holds its new key / value,
+# not its whole 128-position block (`mk.kernel.mla`): whole tiles, 1/8 of the block's bytes.
+CACHE_WRITE_ROWS = 16
 # jax `device_kind` -> mk.kernel.plan chip name
 CHIP_OF_DEVICE_KIND = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
                        "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x", "TPU v7": "tpu7x", "cpu": "cpu"}

@@ -27,7 +27,7 @@ import math
 from typing import Sequence
 
 from mk.kernel import conventional
-from mk.kernel.plan import STREAM_FORMATS, Collective, Matrix, Phase, PlanError, WeightDMA, round_up
+from mk.kernel.plan import CACHE_WRITE_ROWS, STREAM_FORMATS, Collective, Matrix, Phase, PlanError, WeightDMA, round_up
 
 # Vector ops per weight of an MXFP4 matrix's conversion, by how it meets the MXU
 # (`ScheduleOptions.mxfp4_matmul`) and how its codes are unpacked (`Plan.mxfp4_unpack`), counted in
@@ -267,10 +267,10 @@ def megakernel(plan, distinct_experts: list[float]):
                     vector(l, "mla_commit", 0, 2 * block, hbm_bytes=block, writeback_bytes=block)
                 elif mla:   # mk's kernel (`mk.kernel.mla`): row after row, the row's cache blocks DMA'd in
                     # (each next in flight while one is attended; a row's first while the row before
-                    # attends, where that row is of another sequence), then the block holding the new
-                    # key / value written back and waited before the next row starts
+                    # attends, where that row is of another sequence), then the 16-position tile holding
+                    # the new key / value written back and waited before the next row starts
                     cache = H * plan.ctx * (c.k_cache_dim + D) * 2
-                    block = H * 128 * (c.k_cache_dim + D) * 2
+                    block = H * CACHE_WRITE_ROWS * (c.k_cache_dim + D) * 2
                     for row in range(B):
                         lead = 2 if row and row % plan.seq_rows == 0 else 0
                         vector(l, "mla_attention", 2 * H * plan.ctx * (c.qk_head_dim + D) + 5 * H * plan.ctx,
