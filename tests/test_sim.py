@@ -561,7 +561,8 @@ def test_v5e_model_of_the_routed_step_is_within_10_percent_of_its_device_time(ex
 def test_simulate_routed_from_a_bench_file(capsys):
     """`mk simulate --routed-from BENCH_JSON`: mk's plan reads the experts the benched steps routed
     and is set beside that bench's kernel step, at the context its device steps attend (one cache
-    block, unless --context says otherwise); a file of another expert format is refused."""
+    block, unless --context says otherwise); a file of another expert format is refused, unless
+    --routed-across-formats takes its routing alone (then --measured-from gives the kernel's step)."""
     from mk.__main__ import main
     bench = str(V5E_RUN / BENCH_JSON["bf16"])
     assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1,8", "--experts", "bf16",
@@ -576,6 +577,19 @@ def test_simulate_routed_from_a_bench_file(capsys):
     assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1", "--experts", "mxfp4",
                  "--routed-from", bench]) == 2
     assert "benched bf16 experts, not --experts mxfp4" in capsys.readouterr().err
+    mx = str(V5E_RUN / BENCH_JSON["mxfp4"])                          # a kernel-alone MXFP4 bench: no routing
+    assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "8", "--experts", "mxfp4",
+                 "--routed-from", bench, "--routed-across-formats", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]             # bf16's routing, not bf16's kernel step
+    assert row["mk_distinct_experts"] == [9.95, 9.8] and "bf16" not in row.get("mk_measured", "")
+    assert row["mk_routing"] == "bf16 bench bench-k3chip-bf16.json"
+    assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "8", "--experts", "mxfp4",
+                 "--routed-from", bench, "--routed-across-formats", "--measured-from", mx, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["mk_measured_step_s"] == pytest.approx(json.loads(open(mx).read())["rows"][-1]["device_median_ms"] / 1e3)
+    assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "8", "--experts", "mxfp4",
+                 "--routed-from", bench, "--routed-across-formats", "--measured-from", bench]) == 2
+    assert "--measured-from" in capsys.readouterr().err
 
 
 def test_dequant_packing_follows_the_v5e_tile_counts():

@@ -53,6 +53,13 @@ def add_parser(subparsers):
     p.add_argument("--routed-from", metavar="BENCH_JSON", default=None,
                    help="a `mk bench --json` output: mk's plan reads the experts its steps routed (not uniform "
                         "routing), and is compared with its kernel's step (device time where it has it)")
+    p.add_argument("--routed-across-formats", action="store_true",
+                   help="let --routed-from be a bench of the other expert format (the same seed draws the same "
+                        "router, tokens and weights; quantized experts may move a near tie, so the routing is "
+                        "close, not the same): its routing only, not its kernel's step")
+    p.add_argument("--measured-from", metavar="BENCH_JSON", default=None,
+                   help="with --routed-from: the kernel's step to compare with from this bench instead (of "
+                        "--config and --experts; a kernel-alone bench)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -65,31 +72,56 @@ def _measured_source(rows: list[dict]) -> str:
 ROUTED_CONTEXT = 128   # --routed-from's default context: one cache block, what a bench's device steps attend
 
 
-def routed_from(path: str, config: str, experts: str | None, batches: list[int]) -> dict[int, dict]:
-    """batch -> {"distinct_experts", "measured_s", "measured"} from a `mk bench --json` file: the
-    routed counts of its rows (`distinct_source` 'routed ...') and its kernel's step, device time
-    where the bench traced it, else the wall clock. Refuses a file of another config, expert format,
-    or without routed counts for a batch asked for, naming it."""
+def _bench_file(path: str, option: str, config: str, experts: str | None) -> tuple[dict, list[dict]]:
+    """(metadata, rows) of a `mk bench --json` file of `config` (and `experts` where given), else a
+    UserError naming the option and the file."""
     try:
         bench = json.loads(open(path).read())
-        meta, rows = bench["metadata"], bench["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--routed-from {path}: not a `mk bench --json` output ({type(e).__name__}: {e})") from None
+        rec, rows = bench.get("record") or {}, bench["rows"]
+        meta = bench["metadata"] if rec.get("kind") != "bench_log" else {   # the cases a stopped call logged
+            **rec["key"], "device_kind": rec.get("chip"), "date": rec.get("date")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{option} {path}: not a `mk bench --json` output ({type(e).__name__}: {e})") from None
     if meta.get("config") != config:
-        raise UserError(f"--routed-from {path}: benched {meta.get('config')!r}, not --config {config!r}")
+        raise UserError(f"{option} {path}: benched {meta.get('config')!r}, not --config {config!r}")
     if experts and meta.get("experts") != experts:
-        raise UserError(f"--routed-from {path}: benched {meta.get('experts')} experts, not --experts {experts}")
+        raise UserError(f"{option} {path}: benched {meta.get('experts')} experts, not --experts {experts}"
+                        + (" (--routed-across-formats takes its routing only)" if option == "--routed-from" else ""))
+    return meta, rows
+
+
+def _kernel_step(path: str, meta: dict, rows: list[dict], b: int) -> tuple[float | None, str | None]:
+    """(seconds, where from) of the bench's kernel step at batch b: device time where traced, else wall."""
+    kernel = next((r for r in rows if r.get("batch") == b and r.get("impl") == "kernel" and not r.get("error")), None)
+    if not kernel:
+        return None, None
+    dev = kernel.get("device_median_ms")
+    return ((dev or kernel["median_ms"]) / 1e3, f"{'device time' if dev else 'wall clock'}, {os.path.basename(path)} "
+            f"({meta.get('device_kind')}, {str(meta.get('date', ''))[:10]})")
+
+
+def routed_from(path: str, config: str, experts: str | None, batches: list[int], *, across_formats: bool = False,
+                measured_from: str | None = None) -> dict[int, dict]:
+    """batch -> {"distinct_experts", "measured_s", "measured"} from a `mk bench --json` file: the
+    routed counts of its rows (`distinct_source` 'routed ...') and its kernel's step, device time
+    where the bench traced it, else the wall clock. Refuses a file of another config, expert format
+    (unless `across_formats`: then its routing only, no step), or without routed counts for a batch
+    asked for, naming it. `measured_from`: another bench (this config and format) for the step."""
+    meta, rows = _bench_file(path, "--routed-from", config, None if across_formats else experts)
+    other = bool(experts) and meta.get("experts") != experts
+    if measured_from:
+        m_meta, m_rows = _bench_file(measured_from, "--measured-from", config, experts)
     out = {}
     for b in batches:
         hit = [r for r in rows if r.get("batch") == b and str(r.get("distinct_source", "")).startswith("routed")]
         if not hit:
             raise UserError(f"--routed-from {path}: no routed expert counts at batch {b} (bench with --impl kernel,xla)")
-        kernel = next((r for r in rows if r.get("batch") == b and r.get("impl") == "kernel" and not r.get("error")), None)
-        dev = kernel and kernel.get("device_median_ms")
-        out[b] = {"distinct_experts": hit[0]["distinct_experts"],
-                  "measured_s": (dev or kernel["median_ms"]) / 1e3 if kernel else None,
-                  "measured": (f"{'device time' if dev else 'wall clock'}, {os.path.basename(path)} "
-                               f"({meta.get('device_kind')}, {str(meta.get('date', ''))[:10]})") if kernel else None}
+        step, where = ((None, None) if other else _kernel_step(path, meta, rows, b)) if not measured_from \
+            else _kernel_step(measured_from, m_meta, m_rows, b)
+        if measured_from and step is None:
+            raise UserError(f"--measured-from {measured_from}: no kernel step at batch {b}")
+        out[b] = {"distinct_experts": hit[0]["distinct_experts"], "measured_s": step, "measured": where,
+                  "routing": f"{meta.get('experts')} bench {os.path.basename(path)}" if other else None}
     return out
 
 
@@ -156,6 +188,8 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
             row = {k: v for k, v in r.items() if not k.startswith("_")}
             if got and "mk" in r["_results"]:
                 row["mk_distinct_experts"] = got["distinct_experts"]
+                if got.get("routing"):
+                    row["mk_routing"] = got["routing"]
                 if got["measured_s"]:
                     row["mk_measured_step_s"], row["mk_measured"] = got["measured_s"], got["measured"]
                     row["mk_modelled_over_measured"] = r["_results"]["mk"].step_time / got["measured_s"]
@@ -259,6 +293,10 @@ def format_table(report: list[dict]) -> str:
         if routed:
             lines.append("  mk's plan reads the experts its measured steps routed (--routed-from): " + ", ".join(
                 f"B={r['batch']}: {'/'.join(f'{x:g}' for x in r['mk_distinct_experts'])}" for r in routed) + " per MoE layer")
+            across = next((r["mk_routing"] for r in routed if r.get("mk_routing")), None)
+            if across:
+                lines.append(f"  routed as the {across} routed (--routed-across-formats): the same seed's router, "
+                             f"tokens and weights; this format's own routing may differ at a near tie")
         by = {}
         for k, b in rep["basis"].items():
             by.setdefault(b, []).append(k)
@@ -298,7 +336,10 @@ def run(args) -> int:
     systems = [s.strip() for s in args.system.split(",") if s.strip()]
     batches = _batches(args.batch)
     plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
-    routed = routed_from(args.routed_from, args.config, args.experts, batches) if args.routed_from else None
+    if (args.routed_across_formats or args.measured_from) and not args.routed_from:
+        raise UserError("--routed-across-formats and --measured-from go with --routed-from")
+    routed = routed_from(args.routed_from, args.config, args.experts, batches, across_formats=args.routed_across_formats,
+                         measured_from=args.measured_from) if args.routed_from else None
     if routed and args.context is None:      # `mk bench` times each case's device steps from a new cache
         args.context = ROUTED_CONTEXT        # (positions 0..4), so like for like the rows attend one block
     report = collect(args.config, systems, batches, args.context, not args.mean_experts, plans, args.trace,
