@@ -247,3 +247,22 @@ def test_record_key_names_what_changes_the_measurement():
     a = argparse.Namespace(experts="bf16", mxfp4_unpack="pairs", prefetch_depth=8)
     assert record_key(a, "k3-chip", None, [8]) == {"config": "k3-chip", "experts": "bf16", "mxfp4_unpack": "pairs",
                                                    "prefetch_depth": 8, "batch": "8"}
+
+
+def test_prefetch_depth_sweep_is_the_kernel_alone(monkeypatch, capsys):
+    """`mk bench --prefetch-depth 16,64`: a sweep of the kernel alone (refused beside a rival, before the
+    TPU check); its record's key names the depths, its summary has one part per depth."""
+    import argparse
+
+    from mk.__main__ import main
+    from mk.cli.bench import record_key
+    assert main(["bench", "--prefetch-depth", "16,64", "--impl", "kernel,xla"]) == 2
+    assert "several depths time the kernel alone" in capsys.readouterr().err
+    assert main(["bench", "--prefetch-depth", "-1"]) == 2
+    assert "--prefetch-depth: values must be at least 0" in capsys.readouterr().err
+    a = argparse.Namespace(experts="bf16", mxfp4_unpack="auto", prefetch_depth=[16, 64])
+    assert record_key(a, "k3-d48", None, [1, 8], ["kernel"])["prefetch_depth"] == "16,64"
+    rows = [{"impl": "kernel", "batch": b, "prefetch_depth": d, "device_median_ms": ms, "device_frac_stream": f}
+            for d, b, ms, f in ((16, 1, 6.2, 0.9), (16, 8, 8.5, 0.8), (64, 1, 6.1, 0.92), (64, 8, 7.9, 0.86))]
+    assert bench.summary(rows) == ("depth 16: kernel device 6.20 / 8.50 ms at B = 1 / 8; 0.90 / 0.80 of stream | "
+                                   "depth 64: kernel device 6.10 / 7.90 ms at B = 1 / 8; 0.92 / 0.86 of stream")

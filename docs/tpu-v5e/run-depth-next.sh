@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # What the depth family still needs on the lent TPU v5e (after 2026-12-07), one call of under 10 minutes
 # per part. Write the commit out here (the VM's copy of .git may be stale, 2026-12-06g/NOTES.md):
-#   MK_COMMIT=<hash> MK_DIRTY=0 OUT=DIR bash docs/tpu-v5e/run-depth-next.sh check
+#   MK_COMMIT=<hash> MK_DIRTY=0 OUT=DIR bash docs/tpu-v5e/run-depth-next.sh depth
+#       first: the prefetch depth at 48 layers, the kernel alone (`--prefetch-depth` a sweep, the weights
+#       drawn once): the simulator has the weight stream stall through each long non-streaming phase
+#       (MLA attention, the delta rule at B = 8) while only the default 2 MiB are in flight, and models
+#       bf16 B = 8 at 7.95 -> 7.27 ms from depth 16 to 128, MXFP4 B = 8 at 7.85 -> 6.49 ms from 4 to 32
+#       (modelled), then k3-chip bf16 (~8 min)
+#   ... run-depth-next.sh check
 #       the verify step on the chip under the chip policy (each emitted token against the CPU oracle
 #       teacher-forced along them): mini, one sequence and 2 sequences x (1 + 3) rows (~3 min)
 #   ... run-depth-next.sh retime
@@ -16,7 +22,11 @@
 #       both) (~8 min)
 # Carry .whl-tpu (make tpu-wheels && make peer-wheels PEER_WHEELS=.whl-tpu).
 set -u
-case "${1:?which part: check, retime, middle or mxfp4race}" in
+case "${1:?which part: depth, check, retime, middle or mxfp4race}" in
+  depth) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
+     step bench-k3-d48-bf16-depths 200 python3 -m mk bench --config k3-d48 --experts bf16 --impl kernel --batch 1,8 --prefetch-depth 16,64,128 --steps 8 --json
+     step bench-k3-d48-mxfp4-depths 180 python3 -m mk bench --config k3-d48 --experts mxfp4 --impl kernel --batch 1,8 --prefetch-depth 4,16,32 --steps 8 --json
+     step bench-k3-chip-bf16-depths 150 python3 -m mk bench --config k3-chip --experts bf16 --impl kernel --batch 1,8 --prefetch-depth 4,16 --steps 8 --json ;;
   check) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
      step check-mini-verify-b1 120 python3 -m mk check --config mini --speculative 3 --json
      step check-mini-verify-b2 150 python3 -m mk check --config mini --batch 2 --speculative 3 --json ;;

@@ -50,7 +50,9 @@ def add_parser(subparsers):
                         "peer: vLLM TPU's fused MoE kernel as the routed experts, needs tpu-inference 0.26.0)")
     p.add_argument("--peer-format", choices=("bf16", "int8", "int4"), default=None,
                    help="the peer's expert format (default bf16 with --experts bf16, int4 with mxfp4)")
-    p.add_argument("--prefetch-depth", type=at_least(0), default=None, help="the kernel's prefetch depth")
+    p.add_argument("--prefetch-depth", default=None,
+                   help="the kernel's prefetch depth (default: the plan's); comma-separated: a sweep of the kernel "
+                        "alone (--impl kernel), the weights drawn once, one row per depth and batch")
     p.add_argument("--tile", default=None, help="the kernel's weight tile TKxTN, e.g. 512x512 (default: the "
                    "plan's per-model tile, `mk.kernel.plan.default_tile`)")
     p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "pairs_mul", "shift", "bitcast"), default="auto",
@@ -75,6 +77,12 @@ def run(args) -> int:
                                    f"here: {peer.INSTALL_HINT}")
     from mk.cli.kernel import _tile
     tile = _tile(args.tile)                               # a bad value is said before the TPU too
+    if args.prefetch_depth is not None:                   # one depth: an int, as before; several: a sweep
+        depths = int_list(args.prefetch_depth, "--prefetch-depth", low=0)
+        if len(depths) > 1 and impls != ["kernel"]:
+            raise bench.BenchError(f"--prefetch-depth {args.prefetch_depth}: several depths time the kernel alone "
+                                   f"(--impl kernel; its rivals have no prefetch depth), found --impl {impl}")
+        args.prefetch_depth = depths[0] if len(depths) == 1 else depths
     bench.require_tpu()                                   # then: nothing is loaded or built on CPU
     batches = int_list(args.batch, "--batch")
     cfg = get_config(args.config)
@@ -104,7 +112,8 @@ def record_key(args, config: str, tile, batches: list[int], impls=("kernel", "xl
     if args.mxfp4_unpack != "auto":
         key["mxfp4_unpack"] = args.mxfp4_unpack
     if args.prefetch_depth is not None:
-        key["prefetch_depth"] = args.prefetch_depth
+        d = args.prefetch_depth
+        key["prefetch_depth"] = ",".join(map(str, d)) if isinstance(d, (list, tuple)) else d
     if tile is not None:
         key["tile"] = f"{tile[0]}x{tile[1]}"
     if not {1, 8} <= set(batches):
@@ -154,12 +163,14 @@ def format_table(rows: list[dict], meta: dict) -> str:
              f"{'impl':11s} {'B':>2s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'GB read':>8s} {'GB/s':>7s} "
              f"{'of HBM':>7s} {'of stream':>9s} {'tok/s':>8s} {'vs kernel':>9s} {'device ms':>9s} {'of stream':>9s} "
              f"{'vs kernel':>9s}  distinct experts"]
+    sweep = len({r.get("prefetch_depth") for r in rows if r["impl"] == "kernel"}) > 1
     for r in rows:
+        impl = f"kernel@{r['prefetch_depth']}" if sweep and r["impl"] == "kernel" else r["impl"]
         if r.get("error"):
-            lines.append(f"{r['impl']:11s} {r['batch']:2d}  not run: {r['error']}")
+            lines.append(f"{impl:11s} {r['batch']:2d}  not run: {r['error']}")
             continue
         lines.append(
-            f"{r['impl']:11s} {r['batch']:2d} {r['median_ms']:10.3f} {r['min_ms']:8.3f} {r['max_ms']:8.3f} "
+            f"{impl:11s} {r['batch']:2d} {r['median_ms']:10.3f} {r['min_ms']:8.3f} {r['max_ms']:8.3f} "
             f"{r['hbm_bytes'] / 1e9:8.3f} {_f(r['gb_s'], '7.1f')} {_f(r['frac_datasheet'], '7.2f')} "
             f"{_f(r['frac_stream'], '9.2f')} {_f(r['tok_s'], '8.1f')} "
             f"{(_f(r['kernel_speedup'], '8.2f') + 'x') if r['kernel_speedup'] else '        -'} "

@@ -469,9 +469,11 @@ def records_figure(records):
         values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     if not values:
         raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
+    other_depth = {p.name for p, rec in records if "prefetch_depth" in (rec.get("key") or {})}   # not the default
     for r in rows:                                        # kernel-alone records: another tile, or a later kernel
         g = case.get((r.get("config"), r.get("experts"), r["batch"]))
-        if r["impl"] == "kernel" and g and impls[run(r)] == {"kernel"} and r["date"] >= raced[g]:
+        if (r["impl"] == "kernel" and g and impls[run(r)] == {"kernel"} and r["date"] >= raced[g]
+                and r["record"] not in other_depth):
             if r.get("tile"):
                 name = f"kernel@{r['tile']}"
                 labels[name] = f"mk megakernel, {r['tile'].replace('x', ' x ')} tiles (kernel alone, {r['date']})"

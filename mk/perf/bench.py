@@ -212,7 +212,10 @@ def _series(values, fmt: str = ".2f") -> str:
 def summary(rows: list[dict]) -> str:
     """One line of a bench's figures (rows after `add_ratios`), for its record: the kernel's device
     (else wall) ms per batch, its fraction of the stream, and its device and wall speedups over the
-    better of RIVALS (`best_other`)."""
+    better of RIVALS (`best_other`); of a prefetch-depth sweep, that per depth."""
+    depths = sorted({r.get("prefetch_depth") for r in rows if r["impl"] == "kernel"}, key=lambda d: (d is None, d))
+    if len(depths) > 1:                          # a sweep of the kernel alone: one part per depth
+        return " | ".join(f"depth {d}: " + summary([r for r in rows if r.get("prefetch_depth") == d]) for d in depths)
     batches = sorted({r["batch"] for r in rows})
     kern = {r["batch"]: r for r in rows if r["impl"] == "kernel" and not r.get("error")}
     if not kern:
@@ -301,12 +304,15 @@ def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str
 
 # ---- the measurement -------------------------------------------------------------------------------
 def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16", steps: int = 20,
-            warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | None = None,
+            warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | Sequence[int] | None = None,
             params: dict | None = None, *, seed: int = 0, ctx: int = 256, progress: bool = True,
             microbench_csv=None, device_steps: int = 5, mxfp4_unpack: str = "auto",
             peer_format: str | None = None, tile: tuple[int, int] | None = None) -> list[dict]:
     """Time each impl at each batch on this TPU; returns rows (see `mk.cli.bench` for the fields).
     peer_format: the peer's expert format (`mk.perf.peer.PEER_FORMATS`; default `default_peer_format`).
+
+    prefetch_depth: the kernel's (None: the plan's default); several: a sweep of the kernel alone, one
+    row per depth and batch, the weights drawn once.
 
     device_steps: that many more steps of each case under `jax.profiler`, for the step program's
     device time (`device_median_ms`, next to the wall clock's `median_ms`); 0: none.
@@ -334,6 +340,10 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
         raise BenchError(f"--batch: each batch must lie in 1..{MAX_ROWS}, found {list(batches)}")
     if steps < 1 or warmup < 1:
         raise BenchError(f"--steps and --warmup must be >= 1 (the first call compiles), found {steps} and {warmup}")
+    depths = list(prefetch_depth) if isinstance(prefetch_depth, (list, tuple)) else [prefetch_depth]
+    if len(depths) > 1 and set(impls) != {"kernel"}:
+        raise BenchError(f"--prefetch-depth {','.join(map(str, depths))}: several depths time the kernel alone "
+                         f"(--impl kernel; its rivals have no prefetch depth), found --impl {','.join(impls)}")
     device = jax.devices()[0]
     chips = chip_of_device(device.device_kind)
     plan_chip, hw_chip = chips if chips else ("v5e", None)
@@ -350,29 +360,32 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(seed)
     tokens = {B: rng.integers(0, cfg.vocab, (warmup + steps, B)).astype(np.int32) for B in batches}
-    plan_kw = {} if prefetch_depth is None else {"prefetch_depth": prefetch_depth}
+    plan_kw = {}
     if tile is not None:
         plan_kw["tile"] = tuple(tile)
     if mxfp4_unpack != "auto":
         import dataclasses
         from mk.kernel.plan import MK
         plan_kw["options"] = dataclasses.replace(MK, mxfp4_unpack=mxfp4_unpack)
+    depth_kw = lambda d: {} if d is None else {"prefetch_depth": d}
     try:
-        plans = {B: make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw) for B in batches}
+        plans = {(B, d): make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw, **depth_kw(d))
+                 for B in batches for d in depths}
     except PlanError as e:
         raise BenchError(f"the kernel's plan (--prefetch-depth {prefetch_depth}, --tile {tile}, --mxfp4-unpack "
                          f"{mxfp4_unpack}): {e}") from None
     distinct: dict[int, list] = {B: [] for B in batches}   # per timed step: distinct experts per layer
     results: dict[tuple, dict] = {}
-    bar = tqdm(desc=f"bench {name} {experts}", total=len(batches) * len(impls), leave=False,
+    bar = tqdm(desc=f"bench {name} {experts}", total=len(batches) * (len(impls) + len(depths) - 1), leave=False,
                disable=None if progress else True)   # stderr, on a terminal only
 
-    def run_case(impl, B, make_step, on_output=None):
-        bar.set_postfix_str(f"B={B} {impl}")
+    def run_case(impl, B, make_step, on_output=None, depth=depths[0]):
+        bar.set_postfix_str(f"B={B} {impl}" + (f" depth {depth}" if len(depths) > 1 else ""))
+        plan = plans[B, depth]
         row = {"impl": impl, "batch": B, "experts": experts, "peer_format": peer_format if impl == "peer" else None,
                "median_ms": None, "min_ms": None, "max_ms": None,
-               "steps": 0, "error": None, "prefetch_depth": plans[B].prefetch_depth if impl == "kernel" else None,
-               "mxfp4_unpack": plans[B].mxfp4_unpack if impl == "kernel" and experts == "mxfp4" else None}
+               "steps": 0, "error": None, "prefetch_depth": plan.prefetch_depth if impl == "kernel" else None,
+               "mxfp4_unpack": plan.mxfp4_unpack if impl == "kernel" and experts == "mxfp4" else None}
         t0 = time.perf_counter()
         try:
             step = make_step()
@@ -386,10 +399,10 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
             msg = str(e).strip().splitlines()
             row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
         row["wall_s"] = time.perf_counter() - t0
-        results[impl, B] = row
+        results[impl, B, depth if impl == "kernel" else depths[0]] = row
         bar.update(1)
         ops = row.get("device_ops")
-        log(f"B={B} {impl}: " + (f"median {row['median_ms']:.3f} ms (min {row['min_ms']:.3f}, max {row['max_ms']:.3f}), "
+        log(f"B={B} {impl}" + (f" depth {row['prefetch_depth']}" if len(depths) > 1 else "") + ": " + (f"median {row['median_ms']:.3f} ms (min {row['min_ms']:.3f}, max {row['max_ms']:.3f}), "
                                  if row["median_ms"] is not None else f"{row['error']}, ")
             + (f"device {ops['step_ms']:.3f} ms: {ops['ops']:.0f} ops, {ops['idle_ms']:.3f} ms idle between them, " if ops else "")
             + f"{row['wall_s']:.1f} s")
@@ -399,8 +412,9 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     # the distinct experts.
     if "kernel" in impls:
         kernel_cache = {"key": None, "weights": None}
-        for B in batches:
-            run_case("kernel", B, lambda B=B: _kernel_step(plans[B], params, kernel_cache))
+        for d in depths:
+            for B in batches:
+                run_case("kernel", B, lambda B=B, d=d: _kernel_step(plans[B, d], params, kernel_cache), depth=d)
         kernel_cache.clear()
         gc.collect()
     xla_impls = [i for i in ("xla", "xla-ragged", "reference") if i in impls]
@@ -448,14 +462,15 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
         if distinct[B]:
             mean, source = np.mean(np.stack(distinct[B]), axis=0), "routed (xla step)"
         else:
-            mean, source = np.full(cfg.n_moe, plans[B].expected_distinct_experts()), "expected (uniform routing)"
-        nbytes = step_bytes(cfg, B, experts, [float(x) for x in mean], plans[B])
+            mean, source = np.full(cfg.n_moe, plans[B, depths[0]].expected_distinct_experts()), "expected (uniform routing)"
+        nbytes = step_bytes(cfg, B, experts, [float(x) for x in mean], plans[B, depths[0]])   # depth moves no byte
         for impl in impls:
-            r = finish_row(results[impl, B], peer_step_bytes(cfg, nbytes, mean, peer_format)
-                           if impl == "peer" else nbytes, bw)
-            r["distinct_experts"] = [round(float(x), 3) for x in mean]
-            r["distinct_source"] = source
-            rows.append(r)
+            for d in depths if impl == "kernel" else depths[:1]:
+                r = finish_row(results[impl, B, d], peer_step_bytes(cfg, nbytes, mean, peer_format)
+                               if impl == "peer" else nbytes, bw)
+                r["distinct_experts"] = [round(float(x), 3) for x in mean]
+                r["distinct_source"] = source
+                rows.append(r)
     return add_ratios(rows)
 
 
