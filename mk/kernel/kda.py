@@ -24,10 +24,11 @@ from mk.model.layers.common import bf, f32, sigmoid
 from mk.model.layers.kda import kda_head
 
 # Heads of one row per trip of the delta rule's loop. A row's heads are independent, so the scheduler
-# interleaves the unrolled heads' ops (the MXU lane broadcast of beta, the XLU reductions) and each
-# head's arithmetic stays as it was: on the v5e's deviceless LLO (docs/tpu-v5e/llo_kda.py, k3-d48's 12
-# heads) 205 bundles per head at 1, 186 at 2, 161 at 4, 169 at 6. On the chip the phase took 0.34 us
-# per (row, head) at 1 (2026-12-06h), 2.5x its 205 bundles: latency the interleaving can hide.
+# interleaves the unrolled heads' ops (the XLU reductions) and each head's arithmetic stays as it was:
+# on the v5e's deviceless LLO (docs/tpu-v5e/llo_kda.py, k3-d48's 12 heads) 205 bundles per head at 1,
+# 186 at 2, 161 at 4, 169 at 6; the chip measured 0.34 us per (row, head) at 1 (2026-12-06h) and
+# 0.17 at 4 (2026-12-07). beta's broadcast over a head's lanes (an MXU product with a one-hot
+# matrix) is made for every row of a head at once before the loop (`kda_feat[5]`): 150 bundles at 4.
 HEADS_UNROLL = 4
 
 
@@ -119,18 +120,23 @@ def kda(k, a, i):
         r.kda_feat[4] = f32(g_o)
 
     with jax.named_scope("kda_delta_rule"):
-        o_norm = k.vec("o_norm", D)
         lanes = jax.lax.broadcasted_iota(jnp.int32, (r.beta_raw.shape[1], D), 0)
+
+        def broadcast_beta(h, carry):                        # sigmoid(beta) of head h on its D lanes, every row
+            off = pl.multiple_of(h * D, D)
+            r.kda_feat[5, :, pl.ds(off, D)] = sigmoid(jnp.dot(
+                r.beta_raw[...], (lanes == h).astype(jnp.bfloat16), preferred_element_type=jnp.float32))  # [R, D]
+            return carry
+        jax.lax.fori_loop(0, H, broadcast_beta, 0)
+        o_norm = k.vec("o_norm", D)
         for b in range(B):                                   # in row order: row b continues src
             src = source_row(r, b)
 
             def head(h, carry, b=b, src=src):
                 off = pl.multiple_of(h * D, D)
                 feat = lambda n: r.kda_feat[n, pl.ds(b, 1), pl.ds(off, D)]             # [1, D]
-                beta = sigmoid(jnp.dot(r.beta_raw[pl.ds(b, 1), :], (lanes == h).astype(jnp.bfloat16),
-                                       preferred_element_type=jnp.float32))              # [1, D]
                 r.attn_out[pl.ds(b, 1), pl.ds(off, D)], r.kda_state[b, h] = kda_head(
-                    r.kda_state[src, h], *(feat(n) for n in range(4)), beta, feat(4), o_norm, cfg.eps)
+                    r.kda_state[src, h], *(feat(n) for n in range(4)), feat(5), feat(4), o_norm, cfg.eps)
                 return carry
             jax.lax.fori_loop(0, H, head, 0, unroll=min(HEADS_UNROLL, H))
 

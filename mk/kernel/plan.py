@@ -725,7 +725,7 @@ class Plan:
             VM("kda_state", (B, H, D, D), F32),                              # [row, head, key, value]
             VM("conv_state", (B, 3, c.conv_size - 1, HD), BF16),
             DMA("state_sems", (2, B)),                                       # [state | conv, row]
-            VM("kda_feat", (5, R, HD), F32),                                 # conv'd q, k, v; decay; gate
+            VM("kda_feat", (6, R, HD), F32),                                 # conv'd q, k, v; decay; gate; beta
             VM("beta_raw", (R, round_up(H, 128)), BF16),
             VM("attn_out", (R, HD), BF16),                                   # gated heads -> o_proj
             # MLA
