@@ -12,7 +12,8 @@
 #       teacher-forced along them): mini, one sequence and 2 sequences x (1 + 3) rows; then k3-chip's
 #       MXFP4 step beside the int4 peer, never raced so (~7 min)
 #   ... run-depth-next.sh retime
-#       the kernel alone after the delta rule's unroll and MLA's next-row fetch, bf16 B = 1, 8 at
+#       the kernel alone after the delta rule's unroll, MLA's next-row fetch, the 16-position write back
+#       and beta's broadcast out of the heads loop (the last two since 2026-12-07), bf16 B = 1, 8 at
 #       k3-chip, k3-d12, k3-d24 (their races are 2026-12-06e/g's), then k3-d48 at B = 2, 4 (~8 min)
 #   ... run-depth-next.sh middle
 #       k3-d48 at B = 2, 4: the peer with bf16 experts (XLA and the peer's B = 2 ran on 2026-12-07),
