@@ -78,10 +78,7 @@ def run(args) -> int:
     from mk.cli.kernel import _tile
     tile = _tile(args.tile)                               # a bad value is said before the TPU too
     if args.prefetch_depth is not None:                   # one depth: an int, as before; several: a sweep
-        depths = int_list(args.prefetch_depth, "--prefetch-depth", low=0)
-        if len(depths) > 1 and impls != ["kernel"]:
-            raise bench.BenchError(f"--prefetch-depth {args.prefetch_depth}: several depths time the kernel alone "
-                                   f"(--impl kernel; its rivals have no prefetch depth), found --impl {impl}")
+        depths = bench.prefetch_depths(int_list(args.prefetch_depth, "--prefetch-depth", low=0), impls)
         args.prefetch_depth = depths[0] if len(depths) == 1 else depths
     bench.require_tpu()                                   # then: nothing is loaded or built on CPU
     batches = int_list(args.batch, "--batch")

@@ -189,8 +189,9 @@ def _run_check_speculative(cfg, args) -> int:
                             detect_races=not args.no_races)
     res["config"] = args.config
     if args.json:
+        from mk.kernel.check import far_from_tie
         from mk.perf.results import provenance
-        far = sum(not f["ref_margin"] < f["near_tie_below"] for f in res.get("greedy_flips", []))
+        far = len(far_from_tie(res.get("greedy_flips", [])))
         summary = (f"{res['verdict']}; {args.batch} x {res['new_tokens']} tokens, k = {k}, {res['full']} / "
                    f"{res['partial']} / {res['zero']} steps of full / partial / no acceptance; "
                    + (f"{len(res['greedy_flips'])} token(s) off the oracle's argmax, {far} away from a near tie"

@@ -116,10 +116,12 @@ def routed_from(path: str, config: str, experts: str | None, batches: list[int],
         hit = [r for r in rows if r.get("batch") == b and str(r.get("distinct_source", "")).startswith("routed")]
         if not hit:
             raise UserError(f"--routed-from {path}: no routed expert counts at batch {b} (bench with --impl kernel,xla)")
-        step, where = ((None, None) if other else _kernel_step(path, meta, rows, b)) if not measured_from \
-            else _kernel_step(measured_from, m_meta, m_rows, b)
-        if measured_from and step is None:
-            raise UserError(f"--measured-from {measured_from}: no kernel step at batch {b}")
+        if measured_from:
+            step, where = _kernel_step(measured_from, m_meta, m_rows, b)
+            if step is None:
+                raise UserError(f"--measured-from {measured_from}: no kernel step at batch {b}")
+        else:                                     # another format's kernel is not this one's step
+            step, where = (None, None) if other else _kernel_step(path, meta, rows, b)
         out[b] = {"distinct_experts": hit[0]["distinct_experts"], "measured_s": step, "measured": where,
                   "routing": f"{meta.get('experts')} bench {os.path.basename(path)}" if other else None}
     return out

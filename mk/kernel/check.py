@@ -122,13 +122,18 @@ def exact_verdict(res: dict) -> list[str]:
     return reasons
 
 
+def far_from_tie(flips: list[dict]) -> list[dict]:
+    """The greedy flips whose oracle top gap is not below their own near-tie bound (`near_tie_below`)."""
+    return [f for f in flips if not f["ref_margin"] < f["near_tie_below"]]
+
+
 def chip_verdict(res: dict) -> list[str]:
     """A `check_on_chip` result: the kernel's distance from the CPU oracle against XLA-on-chip's."""
     reasons = _common_reasons(res)
     for name, (k, x, floor) in res["vs_xla"].items():
         if k is None or x is None or not k <= CHIP_FACTOR * x + floor:
             reasons.append(f"{name}: kernel {k} from the oracle > {CHIP_FACTOR} x XLA on chip's {x} + {floor:.3g}")
-    far = [f for f in res["greedy_flips"] if not f["ref_margin"] < f["near_tie_below"]]
+    far = far_from_tie(res["greedy_flips"])
     if far:
         f = far[0]
         reasons.append(f"{len(far)} greedy flip(s) away from a near tie (step {f['step']} row {f['row']}: "
@@ -340,6 +345,14 @@ def check(cfg: K3Config, batch: int = 1, steps: int = 8, prefetch_depth: int | N
     return res
 
 
+def _cpu_oracle_device():
+    """JAX's CPU device, where the oracle runs beside a TPU; a UserError where JAX_PLATFORMS leaves it out."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        raise UserError("mk check on a TPU needs JAX's CPU backend for the oracle (JAX_PLATFORMS must allow cpu)") from None
+
+
 def check_on_chip(cfg: K3Config, step_fn, params: dict, batch: int, steps: int, *, ctx: int = 256, seed: int = 0,
                   prompt_len: int = 3, progress: bool = False) -> dict:
     """The compiled kernel (`step_fn`) and `mk.model.reference.decode_step` compiled by XLA for the same
@@ -356,10 +369,7 @@ def check_on_chip(cfg: K3Config, step_fn, params: dict, batch: int, steps: int, 
     from mk.model import reference
     from mk.kernel.step import expert_k_chunk
 
-    try:
-        cpu = jax.devices("cpu")[0]
-    except RuntimeError:
-        raise UserError("mk check on a TPU needs JAX's CPU backend for the oracle (JAX_PLATFORMS must allow cpu)") from None
+    cpu = _cpu_oracle_device()
     chip = jax.devices()[0]
     kc = expert_k_chunk(step_fn.plan)
     ref = functools.partial(reference.decode_step, cfg=cfg, expert_k_chunk=kc)
@@ -553,11 +563,7 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
            "races": races, "policy": policy}
     reasons = [f"race detector fired in {races} step(s)"] if races else []
     if policy == "chip" and mesh == 1:
-        try:
-            cpu = jax.devices("cpu")[0]
-        except RuntimeError:
-            raise UserError("mk check on a TPU needs JAX's CPU backend for the oracle (JAX_PLATFORMS must allow "
-                            "cpu)") from None
+        cpu = _cpu_oracle_device()
         kc = expert_k_chunk(verifier.plan)
         flips, x_max = [], 0.0
         for b in range(batch):
@@ -566,7 +572,7 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
             x_err = np.abs(forced(device=jax.devices()[0]) - o_logits).max(-1)
             x_max = max(x_max, float(x_err.max()))
             flips += [{"sequence": b, **f} for f in greedy_flips(got[b], o_logits, np.maximum(NEAR_TIE, 2 * x_err))]
-        far = [f for f in flips if not f["ref_margin"] < f["near_tie_below"]]
+        far = far_from_tie(flips)
         out.update(greedy_flips=flips, xla_max_abs_logit_err=x_max,
                    mode=f"{'compiled' if chip else 'interpreted'} ({jax.devices()[0].device_kind}); oracle: "
                         f"reference on CPU, teacher-forced along the emitted tokens")

@@ -340,10 +340,7 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
         raise BenchError(f"--batch: each batch must lie in 1..{MAX_ROWS}, found {list(batches)}")
     if steps < 1 or warmup < 1:
         raise BenchError(f"--steps and --warmup must be >= 1 (the first call compiles), found {steps} and {warmup}")
-    depths = list(prefetch_depth) if isinstance(prefetch_depth, (list, tuple)) else [prefetch_depth]
-    if len(depths) > 1 and set(impls) != {"kernel"}:
-        raise BenchError(f"--prefetch-depth {','.join(map(str, depths))}: several depths time the kernel alone "
-                         f"(--impl kernel; its rivals have no prefetch depth), found --impl {','.join(impls)}")
+    depths = prefetch_depths(prefetch_depth, impls)
     device = jax.devices()[0]
     chips = chip_of_device(device.device_kind)
     plan_chip, hw_chip = chips if chips else ("v5e", None)
@@ -472,6 +469,16 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
                 r["distinct_source"] = source
                 rows.append(r)
     return add_ratios(rows)
+
+
+def prefetch_depths(prefetch_depth, impls: Sequence[str]) -> list:
+    """The kernel's prefetch depths as a list ([None]: the plan's default); several are a sweep of the
+    kernel alone, a BenchError beside a rival (it has no prefetch depth)."""
+    depths = list(prefetch_depth) if isinstance(prefetch_depth, (list, tuple)) else [prefetch_depth]
+    if len(depths) > 1 and set(impls) != {"kernel"}:
+        raise BenchError(f"--prefetch-depth {','.join(map(str, depths))}: several depths time the kernel alone "
+                         f"(--impl kernel; its rivals have no prefetch depth), found --impl {','.join(impls)}")
+    return depths
 
 
 def default_peer_format(experts: str) -> str:
