@@ -266,3 +266,5 @@ def test_prefetch_depth_sweep_is_the_kernel_alone(monkeypatch, capsys):
             for d, b, ms, f in ((16, 1, 6.2, 0.9), (16, 8, 8.5, 0.8), (64, 1, 6.1, 0.92), (64, 8, 7.9, 0.86))]
     assert bench.summary(rows) == ("depth 16: kernel device 6.20 / 8.50 ms at B = 1 / 8; 0.90 / 0.80 of stream | "
                                    "depth 64: kernel device 6.10 / 7.90 ms at B = 1 / 8; 0.92 / 0.86 of stream")
+    uniform = [{**r, "distinct_source": "expected (uniform routing)"} for r in rows]   # the note once, at the end
+    assert bench.summary(uniform) == bench.summary(rows) + bench.UNIFORM_NOTE

@@ -449,17 +449,17 @@ def step_close_to_reference(step_fn, params, cfg, tokens) -> float:
 def test_thin_widths_step_on_the_default_small_tiles():
     """k3-d48's widths (d 1792 = 3.5 x 512, 12 heads x 128, latent 1024, expert FFN 768 = 1.5 x 512)
     in two layers: `default_tile` picks 256 x 256 (512 x 512 would stream 16% padding at 48 layers)
-    and `default_prefetch_depth` 16 tiles in flight. One step, kernel vs reference, every matrix
+    and `default_prefetch_depth` 64 tiles in flight. One step, kernel vs reference, every matrix
     split into several row and column blocks of the small tile."""
     from mk.kernel.plan import default_prefetch_depth, default_tile, stream_bytes
 
     full = get_config("k3-d48")
-    assert default_tile(full) == (256, 256) and default_prefetch_depth((256, 256)) == 16
+    assert default_tile(full) == (256, 256) and default_prefetch_depth((256, 256)) == 64
     assert stream_bytes(full, (256, 256)) < 0.87 * stream_bytes(full, (512, 512))
     cfg = thin_widths_config()
     params = params_mod.init(cfg, 0)
     step_fn = make_step_fn(params, cfg, 1, ctx=128, interpret=interpret_params(detect_races=True))
-    assert (step_fn.plan.tile_k, step_fn.plan.tile_n, step_fn.plan.prefetch_depth) == (256, 256, 16)
+    assert (step_fn.plan.tile_k, step_fn.plan.tile_n, step_fn.plan.prefetch_depth) == (256, 256, 64)
     # Not bit-exact: a 256-row tile adds its fp32 partial product to the accumulator where the
     # reference sums 512 rows in one dot (the fp32 sum in another order: last-bit differences).
     assert step_close_to_reference(step_fn, params, cfg, np.array([7], np.int32)) > 0

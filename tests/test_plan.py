@@ -103,7 +103,8 @@ def test_default_tile_streams_the_least_padding():
     """The per-model tile (`default_tile`): K3's widths keep 512 x 512 (1% of padding at most), the
     depth presets' thin layers take 256 x 256 with bf16 experts (512 x 512 would stream 6-16%
     padding) and 512 x 512 with MXFP4 experts (the unpack's fewest bundles per weight), and the ring
-    keeps 2 MiB of tiles in flight whatever their shape."""
+    keeps `INFLIGHT_BYTES` of bf16 slots in flight whatever their shape (8 MiB with bf16 experts, 16
+    MiB with MXFP4), halved while the plan overflows VMEM."""
     from mk.kernel.plan import (DEFAULT_PREFETCH_DEPTH, INFLIGHT_BYTES, TILE_CHOICES, default_prefetch_depth,
                                 default_tile, stream_bytes)
     from mk.model.config import DEPTH_PRESETS
@@ -117,11 +118,22 @@ def test_default_tile_streams_the_least_padding():
         assert default_tile(cfg) == (256, 256) == min(sizes, key=sizes.get), name
         assert sizes[(512, 512)] > 1.06 * sizes[(256, 256)], name
         plan = make_plan(cfg, 1, chip="v5e")
-        assert (plan.tile_k, plan.tile_n, plan.prefetch_depth) == (256, 256, 16)
+        assert (plan.tile_k, plan.tile_n, plan.prefetch_depth) == (256, 256, 64)
         plan = make_plan(cfg, 8, chip="v5e", experts="mxfp4")
-        assert (plan.tile_k, plan.tile_n, plan.prefetch_depth) == (512, 512, 4), name
-    assert default_prefetch_depth((512, 512)) == DEFAULT_PREFETCH_DEPTH == 4
-    for t in TILE_CHOICES:
-        assert default_prefetch_depth(t) * t[0] * t[1] * 2 == INFLIGHT_BYTES
-    assert make_plan(get_config("k3-d48"), 1, chip="v5e", tile=(512, 512)).prefetch_depth == 4
+        assert (plan.tile_k, plan.tile_n, plan.prefetch_depth) == (512, 512, 32), name
+    assert default_prefetch_depth((512, 512)) == 16 and default_prefetch_depth((512, 512), "mxfp4") == 32
+    for experts, inflight in INFLIGHT_BYTES.items():
+        for t in TILE_CHOICES:
+            assert default_prefetch_depth(t, experts) * t[0] * t[1] * 2 == inflight
+    assert default_prefetch_depth((4096, 4096)) == DEFAULT_PREFETCH_DEPTH
+    with pytest.raises(PlanError, match="experts must be one of"):
+        default_prefetch_depth((512, 512), "int4")
+    assert make_plan(get_config("k3-d48"), 1, chip="v5e", tile=(512, 512)).prefetch_depth == 16
     assert make_plan(get_config("k3-d48"), 1, chip="v5e", prefetch_depth=2).prefetch_depth == 2
+    # The default ring is halved until the plan fits; a depth asked for is not: it overflows.
+    k3c = get_config("k3-chip")
+    small = make_plan(k3c, 8, chip="v5e", experts="mxfp4", vmem_limit=40 * MiB)
+    assert small.prefetch_depth == 8 and small.num_slots == 9 and small.vmem_planned_bytes <= small.vmem_limit
+    assert make_plan(k3c, 8, chip="v5e", experts="mxfp4", vmem_limit=40 * MiB, check=False).prefetch_depth == 8
+    with pytest.raises(PlanError, match="VMEM"):
+        make_plan(k3c, 8, chip="v5e", experts="mxfp4", vmem_limit=40 * MiB, prefetch_depth=32)

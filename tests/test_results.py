@@ -29,6 +29,9 @@ def test_newest_record_of_each_measurement_is_current(tmp_path):
     _rec(tmp_path / "d2/llo.json", "llo", {"chip": "v5e"}, "2026-12-06T11:00:00", "bundles")
     recs = results.find_records(tmp_path)
     assert [r["kind"] for _, r in results.headline(recs)] == ["bench"] * 3     # detail kinds: not the README's
+    _rec(tmp_path / "d2/sweep.json", "bench", {"config": "k3-chip", "experts": "bf16", "prefetch_depth": "4,16"},
+         "2026-12-06T12:00:00", "depths")
+    assert "depths" not in [r["summary"] for _, r in results.headline(results.find_records(tmp_path))]   # a tuning run
     listed = subprocess.run([sys.executable, "-m", "mk", "results", "--root", str(tmp_path)], capture_output=True,
                             text=True, check=True).stdout
     assert listed.index("| bench k3-chip bf16 | new") < listed.index("Detail records") < listed.index("| llo chip=v5e | bundles")
@@ -94,6 +97,13 @@ def test_records_figure_draws_each_impl_of_a_race(tmp_path):
     assert [t.name for t in fig.data][-2:] == ["mk megakernel, 512 x 256 tiles (kernel alone, 2026-12-07)",
                                                f"mk megakernel at {'c' * 7} (kernel alone, 2026-12-08)"]
     assert list(fig.data[-1].y) == [250.0, None] and list(fig.data[0].y) == [200.0, 1000.0]
+    _rec(tmp_path / "d.json", "bench", {"config": "k3-chip", "experts": "bf16", "prefetch_depth": "4,16", "impl": "kernel"},
+         "2026-12-08T11:00:00", "s", commit="d" * 40, rows=[{"impl": "kernel", "batch": 1, "device_median_ms": ms,
+                                                              "prefetch_depth": d} for d, ms in ((4, 2.0), (16, 3.2))])
+    fig = records_figure(results.find_records(tmp_path))   # a later depth sweep: its row at today's default depth
+    names = [t.name for t in fig.data]                      # (16 at k3-chip bf16), the newest kernel alone of B = 1
+    assert names[-1] == f"mk megakernel at {'d' * 7}, today's default prefetch depth (kernel alone, 2026-12-08)"
+    assert list(fig.data[-1].y) == [312.5, None] and f"mk megakernel at {'c' * 7} (kernel alone, 2026-12-08)" not in names
     _rec(tmp_path / "b2.json", "bench", {"config": "k3-chip", "experts": "bf16"}, "2026-12-09T10:00:00", "s", rows=rows)
     fig = records_figure(results.find_records(tmp_path))   # a newer race: the older kernel-alone bars go
     assert len(fig.data) == 3

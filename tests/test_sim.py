@@ -448,11 +448,14 @@ K3_CHIP = get_config("k3-chip")
 # Modelled step (ms) of mk's kernel on tpu-v5e, k3-chip (pinned), under uniform routing. Measured on
 # the chip by `mk bench` (data/published.csv, from the bench outputs below, device time per step):
 # bf16 6.06 / 6.69 ms, MXFP4 5.47 / 5.99 ms at B = 1 / 8; the model reads none of them.
-V5E_PINNED_MS = {("bf16", 1): 5.939, ("bf16", 8): 7.514, ("mxfp4", 1): 5.353, ("mxfp4", 8): 6.413}
+V5E_PINNED_MS = {("bf16", 1): 5.821, ("bf16", 8): 7.456, ("mxfp4", 1): 5.249, ("mxfp4", 8): 6.309}
 V5E_RUN = REPO / "docs" / "tpu-v5e"                                   # the measured steps of data/published.csv
 BENCH_JSON = {"bf16": "2026-12-06c/bench-k3chip-bf16.json", "mxfp4": "2026-12-06e/bench-k3chip-mxfp4-pairs_mul.json"}
 # benches whose kernel rows carry the experts the fair XLA step routed (the kernel-only pairs_mul run has none)
 ROUTED_JSON = {"bf16": "2026-12-06c/bench-k3chip-bf16.json", "mxfp4": "2026-12-06d/bench-k3chip-mxfp4.json"}
+# data/published.csv's measured k3-chip steps at B = 1 and 8: the default depth's row of a depth sweep
+PUBLISHED_JSON = {"bf16": ("2026-12-07b/bench-k3-chip-bf16-depths.json", 16),
+                  "mxfp4": ("2026-12-07b/bench-k3-chip-mxfp4-depths.json", 32)}
 
 
 @pytest.fixture(scope="module")
@@ -480,12 +483,12 @@ def test_v5e_system_reads_the_chips_measured_rows_and_its_datasheet(tmp_path):
 
 
 def test_v5e_plan_is_the_kernels_default_plan(v5e):
-    from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH, default_tile
+    from mk.kernel.plan import default_prefetch_depth, default_tile
     from mk.kernel.schedule import DEQUANT_OPS
     for (e, b), r in v5e.items():
         info, plan = r["mk_plan"], r["_results"]["mk"].plan
         assert "seed" not in r and info["mk_plan"] == "defaults" and plan.chip == "v5e"
-        assert (plan.tile_k, plan.tile_n) == default_tile(K3_CHIP) and plan.prefetch_depth == DEFAULT_PREFETCH_DEPTH
+        assert (plan.tile_k, plan.tile_n) == default_tile(K3_CHIP) and plan.prefetch_depth == default_prefetch_depth(default_tile(K3_CHIP), e)
         assert plan.vmem_planned_bytes <= plan.vmem_limit == 64 * 2 ** 20 and plan.experts == e
         assert plan.options.mxfp4_matmul == "bf16" and plan.options.kernel and plan.devices == 1
         assert plan.mxfp4_unpack == "pairs_mul"               # the plan's unpack on v5e
@@ -498,8 +501,11 @@ def test_pinned_v5e_step_times_and_the_measured_ones(v5e, key):
     r = v5e[key]
     assert r["mk"]["step_time_s"] / MS == pytest.approx(V5E_PINNED_MS[key], rel=0.005)
     experts, batch = key
-    bench = json.loads((V5E_RUN / BENCH_JSON[experts]).read_text())
-    measured = next(x["device_median_ms"] for x in bench["rows"] if x["impl"] == "kernel" and x["batch"] == batch) / 1e3
+    path, depth = PUBLISHED_JSON[experts]
+    assert r["mk_plan"]["prefetch_depth"] == depth
+    bench = json.loads((V5E_RUN / path).read_text())
+    measured = next(x["device_median_ms"] for x in bench["rows"]
+                    if x["impl"] == "kernel" and x["batch"] == batch and x["prefetch_depth"] == depth) / 1e3
     assert r.get("mk_measured_step_s") == pytest.approx(measured, rel=1e-4)
     assert r["mk_modelled_over_measured"] == pytest.approx(r["mk"]["step_time_s"] / r["mk_measured_step_s"])
 
@@ -533,12 +539,12 @@ def test_v5e_cli_labels_measured_datasheet_and_assumed_constants(capsys):
     from mk.__main__ import main
     assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1", "--experts", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "mk measured" in out and "6.06 ms" in out and "seed (modelled)" not in out
+    assert "mk measured" in out and "6.03 ms" in out and "seed (modelled)" not in out
     assert "measured (data/microbench.csv" in out and "datasheet (data/hardware.csv): hbm_bw, flops.bf16" in out
     assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "1", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["basis"]["mxu_push_rows"] == "measured" and rep["basis"]["hbm_bw"] == "datasheet"
-    assert rep["rows"][0]["mk_plan"]["experts"] == "mxfp4" and rep["rows"][0]["mk_measured_step_s"] == pytest.approx(5.4129e-3)
+    assert rep["rows"][0]["mk_plan"]["experts"] == "mxfp4" and rep["rows"][0]["mk_measured_step_s"] == pytest.approx(5.3679e-3)
 
 
 @pytest.mark.parametrize("experts", ("bf16", "mxfp4"))
@@ -590,6 +596,27 @@ def test_simulate_routed_from_a_bench_file(capsys):
     assert main(["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--batch", "8", "--experts", "mxfp4",
                  "--routed-from", bench, "--routed-across-formats", "--measured-from", bench]) == 2
     assert "--measured-from" in capsys.readouterr().err
+
+
+def test_simulate_measured_from_a_depth_sweep(capsys):
+    """A `mk bench --prefetch-depth A,B` sweep times several kernels per batch: `--measured-from` sets
+    the modelled plan beside the step of its own depth (the default's, 64 tiles at k3-d48), and a
+    sweep without that depth is refused, naming the depths it timed."""
+    from mk.__main__ import main
+    from mk.cli.simulate import measured_at
+    from mk.errors import UserError
+    race = str(V5E_RUN / "2026-12-06g" / "bench-k3d48-bf16-peer.json")
+    sweep = V5E_RUN / "2026-12-07b" / "bench-k3-d48-bf16-depths.json"
+    assert main(["simulate", "--config", "k3-d48", "--system", "tpu-v5e", "--batch", "1", "--experts", "bf16",
+                 "--routed-from", race, "--measured-from", str(sweep), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    at64 = next(r for r in json.loads(sweep.read_text())["rows"] if r["batch"] == 1 and r["prefetch_depth"] == 64)
+    assert row["mk_plan"]["prefetch_depth"] == 64 and ", depth 64 " in row["mk_measured"]
+    assert row["mk_measured_step_s"] == pytest.approx(at64["device_median_ms"] / 1e3)
+    got = {"steps": {16: (6e-3, "a"), 128: (5e-3, "b")}, "source": "--measured-from X.json"}
+    with pytest.raises(UserError, match=r"X.json: no kernel step at the modelled plan's prefetch depth 64 .*16, 128"):
+        measured_at(got, 64)
+    assert measured_at(got, 16) == (6e-3, "a") and measured_at({"steps": {None: (1.0, "c")}}, 64) == (1.0, "c")
 
 
 def test_dequant_packing_follows_the_v5e_tile_counts():

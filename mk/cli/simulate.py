@@ -90,21 +90,40 @@ def _bench_file(path: str, option: str, config: str, experts: str | None) -> tup
     return meta, rows
 
 
-def _kernel_step(path: str, meta: dict, rows: list[dict], b: int) -> tuple[float | None, str | None]:
-    """(seconds, where from) of the bench's kernel step at batch b: device time where traced, else wall."""
-    kernel = next((r for r in rows if r.get("batch") == b and r.get("impl") == "kernel" and not r.get("error")), None)
-    if not kernel:
-        return None, None
-    dev = kernel.get("device_median_ms")
-    return ((dev or kernel["median_ms"]) / 1e3, f"{'device time' if dev else 'wall clock'}, {os.path.basename(path)} "
-            f"({meta.get('device_kind')}, {str(meta.get('date', ''))[:10]})")
+def _kernel_steps(path: str, meta: dict, rows: list[dict], b: int) -> dict:
+    """{prefetch depth (None: not recorded): (seconds, where from)} of the bench's kernel steps at
+    batch b (several for a `--prefetch-depth` sweep): device time where traced, else wall."""
+    out = {}
+    for r in rows:
+        if r.get("batch") == b and r.get("impl") == "kernel" and not r.get("error"):
+            dev = r.get("device_median_ms")
+            out.setdefault(r.get("prefetch_depth"), (
+                (dev or r["median_ms"]) / 1e3, f"{'device time' if dev else 'wall clock'}, {os.path.basename(path)}"
+                f"{'' if r.get('prefetch_depth') is None else ', depth ' + str(r['prefetch_depth'])} "
+                f"({meta.get('device_kind')}, {str(meta.get('date', ''))[:10]})"))
+    return out
+
+
+def measured_at(got: dict, depth: int) -> tuple[float | None, str | None]:
+    """(seconds, where from) of a `routed_from` batch's measured kernel step at the plan's prefetch
+    `depth` (`collect` models a bench of one depth at that depth, a sweep at the plan's default): the
+    step of that depth, or the one step a bench without depths recorded; a UserError where the bench
+    swept other depths only (a step at another depth is not this plan's)."""
+    steps = got.get("steps") or {}
+    if depth in steps or None in steps:
+        return steps.get(depth) or steps[None]
+    if steps:
+        raise UserError(f"{got['source']}: no kernel step at the modelled plan's prefetch depth {depth} "
+                        f"(it timed depths {', '.join(map(str, sorted(steps)))})")
+    return None, None
 
 
 def routed_from(path: str, config: str, experts: str | None, batches: list[int], *, across_formats: bool = False,
                 measured_from: str | None = None) -> dict[int, dict]:
-    """batch -> {"distinct_experts", "measured_s", "measured"} from a `mk bench --json` file: the
-    routed counts of its rows (`distinct_source` 'routed ...') and its kernel's step, device time
-    where the bench traced it, else the wall clock. Refuses a file of another config, expert format
+    """batch -> {"distinct_experts", "steps", "source", "routing"} from a `mk bench --json` file: the
+    routed counts of its rows (`distinct_source` 'routed ...') and its kernel's steps by prefetch
+    depth (`_kernel_steps`; `measured_at` picks the modelled plan's), device time where the bench
+    traced it, else the wall clock. Refuses a file of another config, expert format
     (unless `across_formats`: then its routing only, no step), or without routed counts for a batch
     asked for, naming it. `measured_from`: another bench (this config and format) for the step."""
     meta, rows = _bench_file(path, "--routed-from", config, None if across_formats else experts)
@@ -117,12 +136,12 @@ def routed_from(path: str, config: str, experts: str | None, batches: list[int],
         if not hit:
             raise UserError(f"--routed-from {path}: no routed expert counts at batch {b} (bench with --impl kernel,xla)")
         if measured_from:
-            step, where = _kernel_step(measured_from, m_meta, m_rows, b)
-            if step is None:
+            steps, source = _kernel_steps(measured_from, m_meta, m_rows, b), f"--measured-from {measured_from}"
+            if not steps:
                 raise UserError(f"--measured-from {measured_from}: no kernel step at batch {b}")
         else:                                     # another format's kernel is not this one's step
-            step, where = (None, None) if other else _kernel_step(path, meta, rows, b)
-        out[b] = {"distinct_experts": hit[0]["distinct_experts"], "measured_s": step, "measured": where,
+            steps, source = ({} if other else _kernel_steps(path, meta, rows, b)), f"--routed-from {path}"
+        out[b] = {"distinct_experts": hit[0]["distinct_experts"], "steps": steps, "source": source,
                   "routing": f"{meta.get('experts')} bench {os.path.basename(path)}" if other else None}
     return out
 
@@ -184,17 +203,20 @@ def collect(config: str, systems: list[str], batches: list[int], context: int | 
         rows = []
         for b in batches:
             got = (routed or {}).get(b)
+            ran = [d for d in (got or {}).get("steps", {}) if d is not None]
             r = sim.predict(cfg, b, system, context=ctx, straggler=straggler, plans=plans, record=bool(trace),
                             experts=experts, mxfp4_matmul=mxfp4_matmul,
-                            mk_distinct_experts=got["distinct_experts"] if got else None)
+                            mk_distinct_experts=got["distinct_experts"] if got else None,
+                            mk_prefetch_depth=ran[0] if len(ran) == 1 else None)   # the depth its one step ran
             row = {k: v for k, v in r.items() if not k.startswith("_")}
             if got and "mk" in r["_results"]:
                 row["mk_distinct_experts"] = got["distinct_experts"]
                 if got.get("routing"):
                     row["mk_routing"] = got["routing"]
-                if got["measured_s"]:
-                    row["mk_measured_step_s"], row["mk_measured"] = got["measured_s"], got["measured"]
-                    row["mk_modelled_over_measured"] = r["_results"]["mk"].step_time / got["measured_s"]
+                step, where = measured_at(got, r["_results"]["mk"].plan.prefetch_depth)
+                if step:
+                    row["mk_measured_step_s"], row["mk_measured"] = step, where
+                    row["mk_modelled_over_measured"] = r["_results"]["mk"].step_time / step
             if "seed" in r["_results"]:
                 roof = roofline.roofline(cfg, b, ctx, system=system, straggler=straggler,
                                          plan=r["_results"]["seed"].plan)

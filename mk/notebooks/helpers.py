@@ -439,9 +439,10 @@ IMPL_STYLE = {"kernel": ("#1f77b4", ""), "xla": ("#ff7f0e", "/"), "peer": ("#2ca
 def records_figure(records):
     """Decode tokens/s from device time (the step program alone, from a profiler trace) of each impl,
     at each (config, experts, batch) of the newest bench records that raced the kernel against a
-    rival: a grouped bar chart whose bars carry their values. A kernel-alone record of a raced case
-    no older than the race (`mk bench --impl kernel`: at another tile, its key names the tile, or a
-    later kernel) adds a bar of its own, labelled with the tile or the commit. records: `mk.perf.results.find_records`."""
+    rival: a grouped bar chart whose bars carry their values. The newest kernel-alone row of a raced
+    case no older than the race (`mk bench --impl kernel`: at another tile, its key names the tile; a
+    later kernel; of a `--prefetch-depth` sweep, the row at the depth the plan now takes by default)
+    adds a bar of its own, labelled with the tile or the commit. records: `mk.perf.results.find_records`."""
     import plotly.graph_objects as go
 
     rows = [r for r in record_rows(records, "bench") if r["impl"] != "reference" and r.get("device_median_ms")]
@@ -469,18 +470,27 @@ def records_figure(records):
         values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     if not values:
         raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
-    other_depth = {p.name for p, rec in records if "prefetch_depth" in (rec.get("key") or {})}   # not the default
-    for r in rows:                                        # kernel-alone records: another tile, or a later kernel
+    sweeps = {p.name for p, rec in records if "prefetch_depth" in (rec.get("key") or {})}   # mk bench --prefetch-depth
+    newest = {}                                           # kernel-alone rows: another tile, or a later kernel
+    for r in rows:
         g = case.get((r.get("config"), r.get("experts"), r["batch"]))
-        if (r["impl"] == "kernel" and g and impls[run(r)] == {"kernel"} and r["date"] >= raced[g]
-                and r["record"] not in other_depth):
-            if r.get("tile"):
-                name = f"kernel@{r['tile']}"
-                labels[name] = f"mk megakernel, {r['tile'].replace('x', ' x ')} tiles (kernel alone, {r['date']})"
-            else:
-                name = f"kernel@{r['commit']}"
-                labels[name] = f"mk megakernel at {r['commit']} (kernel alone, {r['date']})"
-            values.setdefault(name, {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
+        if not (r["impl"] == "kernel" and g and impls[run(r)] == {"kernel"} and r["date"] >= raced[g]):
+            continue
+        if r["record"] in sweeps and r.get("prefetch_depth") != _default_depth(r):
+            continue                                      # a sweep's depth other than today's default
+        if g not in newest or r["date"] >= newest[g]["date"]:
+            newest[g] = r
+    for g, r in newest.items():
+        if r.get("tile"):
+            name = f"kernel@{r['tile']}"
+            labels[name] = f"mk megakernel, {r['tile'].replace('x', ' x ')} tiles (kernel alone, {r['date']})"
+        elif r["record"] in sweeps:
+            name = f"kernel@{r['commit']}:default-depth"
+            labels[name] = f"mk megakernel at {r['commit']}, today's default prefetch depth (kernel alone, {r['date']})"
+        else:
+            name = f"kernel@{r['commit']}"
+            labels[name] = f"mk megakernel at {r['commit']} (kernel alone, {r['date']})"
+        values.setdefault(name, {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
     fig = go.Figure()
     extra = iter(TILE_STYLES)
     for impl in [i for i in labels if i in values]:
@@ -492,6 +502,16 @@ def records_figure(records):
                       yaxis_title="tokens/s (batch / device time per step)", barmode="group",
                       legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=120), width=1000, height=520)
     return fig
+
+
+def _default_depth(r: dict) -> int | None:
+    """The prefetch depth the kernel now plans by default for a bench row's config, experts and batch
+    (on a v5e), or None for a config that is no preset."""
+    from mk.kernel.plan import make_plan
+    try:
+        return make_plan(get_config(r.get("config")), r["batch"], chip="v5e", experts=r.get("experts")).prefetch_depth
+    except Exception:
+        return None
 
 
 def record_rows(records, kind: str) -> list[dict]:

@@ -209,13 +209,18 @@ def _series(values, fmt: str = ".2f") -> str:
     return " / ".join("-" if v is None else format(v, fmt) for v in values)
 
 
+UNIFORM_NOTE = " (bytes of uniform routing's expected experts: no XLA step counted the routed ones)"
+
+
 def summary(rows: list[dict]) -> str:
     """One line of a bench's figures (rows after `add_ratios`), for its record: the kernel's device
     (else wall) ms per batch, its fraction of the stream, and its device and wall speedups over the
     better of RIVALS (`best_other`); of a prefetch-depth sweep, that per depth."""
     depths = sorted({r.get("prefetch_depth") for r in rows if r["impl"] == "kernel"}, key=lambda d: (d is None, d))
     if len(depths) > 1:                          # a sweep of the kernel alone: one part per depth
-        return " | ".join(f"depth {d}: " + summary([r for r in rows if r.get("prefetch_depth") == d]) for d in depths)
+        parts = [summary([r for r in rows if r.get("prefetch_depth") == d]) for d in depths]
+        note = next((n for n in (UNIFORM_NOTE,) if all(p.endswith(n) for p in parts)), "")
+        return " | ".join(f"depth {d}: " + p.removesuffix(note) for d, p in zip(depths, parts)) + note
     batches = sorted({r["batch"] for r in rows})
     kern = {r["batch"]: r for r in rows if r["impl"] == "kernel" and not r.get("error")}
     if not kern:
@@ -226,7 +231,7 @@ def summary(rows: list[dict]) -> str:
     out = (f"kernel {'device' if device else 'wall'} {_series(col(key))} ms at B = {' / '.join(map(str, batches))}; "
            f"{_series(col(frac))} of stream")
     if any(r.get("distinct_source", "").startswith("expected") for r in kern.values()):
-        out += " (bytes of uniform routing's expected experts: no XLA step counted the routed ones)"
+        out += UNIFORM_NOTE
     names = sorted({n for n in col("best_other") if n})
     if names:
         out += (f"; vs the better of {' and '.join(i for i in RIVALS if any(r['impl'] == i for r in rows))} "
@@ -348,6 +353,20 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     check_fits(cfg, device_bytes_needed(cfg, experts, impls, batches, ctx, plan_chip, peer_format), device, hw_chip,
                name)
     bw = bandwidths(hw_chip, microbench_csv)
+    plan_kw = {}
+    if tile is not None:
+        plan_kw["tile"] = tuple(tile)
+    if mxfp4_unpack != "auto":
+        import dataclasses
+        from mk.kernel.plan import MK
+        plan_kw["options"] = dataclasses.replace(MK, mxfp4_unpack=mxfp4_unpack)
+    depth_kw = lambda d: {} if d is None else {"prefetch_depth": d}
+    try:                                         # before the weights: a plan that cannot run costs nothing
+        plans = {(B, d): make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw, **depth_kw(d))
+                 for B in batches for d in depths}
+    except PlanError as e:
+        raise BenchError(f"the kernel's plan (--prefetch-depth {prefetch_depth}, --tile {tile}, --mxfp4-unpack "
+                         f"{mxfp4_unpack}): {e}") from None
 
     from mk.perf import baseline
     from mk.model import reference
@@ -357,20 +376,6 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(seed)
     tokens = {B: rng.integers(0, cfg.vocab, (warmup + steps, B)).astype(np.int32) for B in batches}
-    plan_kw = {}
-    if tile is not None:
-        plan_kw["tile"] = tuple(tile)
-    if mxfp4_unpack != "auto":
-        import dataclasses
-        from mk.kernel.plan import MK
-        plan_kw["options"] = dataclasses.replace(MK, mxfp4_unpack=mxfp4_unpack)
-    depth_kw = lambda d: {} if d is None else {"prefetch_depth": d}
-    try:
-        plans = {(B, d): make_plan(cfg, B, chip=plan_chip, experts=experts, ctx=ctx, **plan_kw, **depth_kw(d))
-                 for B in batches for d in depths}
-    except PlanError as e:
-        raise BenchError(f"the kernel's plan (--prefetch-depth {prefetch_depth}, --tile {tile}, --mxfp4-unpack "
-                         f"{mxfp4_unpack}): {e}") from None
     distinct: dict[int, list] = {B: [] for B in batches}   # per timed step: distinct experts per layer
     results: dict[tuple, dict] = {}
     bar = tqdm(desc=f"bench {name} {experts}", total=len(batches) * (len(impls) + len(depths) - 1), leave=False,

@@ -127,8 +127,10 @@ def _label(rec: dict) -> str:
 
 
 def headline(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
-    """The records the README's block shows: every kind but `DETAIL_KINDS`."""
-    return [(p, r) for p, r in records if r.get("kind") not in DETAIL_KINDS]
+    """The records the README's block shows: every kind but `DETAIL_KINDS`, and no prefetch-depth sweep
+    (`mk bench --prefetch-depth A,B`: a tuning run, in docs/tpu.md)."""
+    return [(p, r) for p, r in records
+            if r.get("kind") not in DETAIL_KINDS and "prefetch_depth" not in (r.get("key") or {})]
 
 
 def results_table(records: list[tuple[Path, dict]], root: str | os.PathLike = REPO) -> str:

@@ -676,14 +676,16 @@ def _deepest_ring(cfg: K3Config, batch: int, kw: dict, most: int = 512) -> int:
 
 
 def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT, *,
-                experts: str | None = None, mxfp4_matmul: str | None = None) -> tuple[Plan, dict]:
+                experts: str | None = None, mxfp4_matmul: str | None = None,
+                prefetch_depth: int | None = None) -> tuple[Plan, dict]:
     """mk's plan for `system` and `info` describing it. experts None: MXFP4, or bf16 expert tiles where
     `make_plan` refuses MXFP4 for the layout (`info["note"]` says why). The system's `mk_plan`
     (data/systems.csv) says how the rest is chosen: 'defaults', the kernel's own (`make_step_fn`:
     `default_tile`, `default_prefetch_depth`, MK's options; the bf16 MXFP4 path), as timed on the chip;
     'tuned', the kernel's free choices (`MK_CHOICES`: all-reduce rounds, MXFP4 MXU path, fp8 only
     where the chip has an fp8 MXU; `MK_TILES`; the kernel runs every combination) that the model
-    finds fastest for this batch, and the deepest ring that fits VMEM. mxfp4_matmul: fixes that choice."""
+    finds fastest for this batch, and the deepest ring that fits VMEM. mxfp4_matmul: fixes that choice;
+    prefetch_depth: fixes the ring's depth (e.g. the one a measured step ran)."""
     s = _system(system)
     note = ""
     if experts is None:
@@ -706,13 +708,14 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
                            f"found {mxfp4_matmul!r}")
         choices["mxfp4_matmul"] = (mxfp4_matmul,)
     choices["tile"] = MK_TILES
-    depth = None
+    depth = prefetch_depth
     if s.setup.mk_plan == "defaults":
         from mk.model.sharding import default_layout
         tile = planlib.default_tile(cfg, default_layout(cfg, s.devices), experts)
         choices = {f: (getattr(MK, f),) for f in MK_CHOICES} | {"mxfp4_matmul": choices["mxfp4_matmul"][:1],
                                                                   "tile": (tile,)}
-        depth = planlib.default_prefetch_depth(tile)
+        if depth is None:
+            depth = planlib.default_prefetch_depth(tile, experts)
     step: dict[tuple, tuple] = {}
     key = lambda pick: tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in pick.items())
 
@@ -828,20 +831,22 @@ def measured_setting(plan: Plan) -> str:
 def predict(cfg: K3Config, batch: int, system: str = "tpu-v7x16", *, context: int = DEFAULT_CONTEXT,
             straggler: bool = True, record: bool = False, plans: Sequence[str] = PLANS,
             experts: str | None = None, mxfp4_matmul: str | None = None,
-            mk_distinct_experts: Sequence[float] | None = None) -> dict:
+            mk_distinct_experts: Sequence[float] | None = None, mk_prefetch_depth: int | None = None) -> dict:
     """Modelled step of each plan in `plans` that `system` runs (mk's: a TPU; the seed's:
     `seed_runs_on`), then the published figure and the ratio for the seed's schedule, and mk's
     kernel's step measured on the chip where data/published.csv has it (`measured_setting`). The
     model runs with data/published.csv locked (`hardware.published_locked`). experts, mxfp4_matmul:
     `mk_plan_for`'s. mk_distinct_experts: the experts mk's plan reads per MoE layer (`model`'s
-    distinct_experts), e.g. those a step measured by `mk bench` routed."""
+    distinct_experts), e.g. those a step measured by `mk bench` routed. mk_prefetch_depth: mk's ring
+    depth (default: the system's rule), e.g. the one a measured step ran."""
     s = _system(system)
     res, info = {}, {}
     plans = [p for p in plans if (p != "mk" or s.program == "megakernel") and (p != "seed" or seed_runs_on(s))]
     with hwlib.published_locked():
         for p in plans:
             if p == "mk":
-                plan, info = mk_plan_for(cfg, batch, s, context, experts=experts, mxfp4_matmul=mxfp4_matmul)
+                plan, info = mk_plan_for(cfg, batch, s, context, experts=experts, mxfp4_matmul=mxfp4_matmul,
+                                         prefetch_depth=mk_prefetch_depth)
             else:
                 plan = p
             res[p] = model(cfg, batch, s, plan, context=context, straggler=straggler, record=record,
