@@ -212,12 +212,15 @@ MIXED_POSITIONS = (3, 127, 128, 60)
 @pytest.fixture(scope="module")
 def mixed_run(mini):
     """B = 4 rows at positions 3, 127, 128, 60 (each prefilled alone by the reference), two steps
-    kernel vs reference; the first kernel step's DMAs are recorded."""
+    kernel vs reference; the first kernel step's DMAs are recorded. A ring of 8 tiles, fewer than a
+    layer issues before its router (the default's 32 would reach past them into the next layer's
+    routed experts, which wait for its router)."""
     cfg, params = mini
     rng = np.random.default_rng(2)
     cache = prefill_rows(params, cfg, [rng.integers(0, cfg.vocab, n) for n in MIXED_POSITIONS])
     tokens = rng.integers(0, cfg.vocab, (2, len(MIXED_POSITIONS)), dtype=np.int32)
-    step_fn = make_step_fn(params, cfg, len(MIXED_POSITIONS), ctx=CTX, interpret=interpret_params(detect_races=True))
+    step_fn = make_step_fn(params, cfg, len(MIXED_POSITIONS), ctx=CTX, prefetch_depth=8,
+                           interpret=interpret_params(detect_races=True))
     routing = reference_routing(params, cfg, cache, tokens[0])
     with DmaLog() as log:
         log.recording = True

@@ -172,3 +172,25 @@ def test_chip_policy_compares_each_token_with_the_teacher_forced_oracle(params):
     (flip,) = greedy_flips(other, logits, [0.05] * 6)
     assert flip == {"position": 3, "token": int(other[3]), "greedy": int(plain[3]), "ref_margin": gap,
                     "near_tie_below": 0.05}
+
+
+def test_kept_verify_logits_line_up_with_the_teacher_forced_oracle(params):
+    """`generate(keep_logits=True)` keeps, per emitted token after the prefill's, the verify step's logits
+    row that chose it: row i - 1 is `forced_logits`' row i (`emitted_logit_err`, the kernel's distance
+    the chip policy reports), whatever each step accepted."""
+    from mk.kernel.check import emitted_logit_err, forced_logits
+    from mk.model.layers.common import K_CHUNK
+    prompt = np.asarray([(i * 37 + 11) % CFG.vocab for i in range(5)], np.int32)
+    plain = np.asarray(ref.generate(params, CFG, prompt[None], 7, ctx=CTX)["tokens"])[0]
+    drafter = spec.AgreeingDrafter(np.concatenate([prompt, plain])[None], agree=0.6, seed=0, vocab=CFG.vocab)
+    res = spec.generate(params, CFG, prompt[None], 7, drafter, 3, ctx=CTX, keep_logits=True)
+    np.testing.assert_array_equal(res["tokens"][0], plain)
+    (kept,) = res["emitted_logits"]
+    assert kept.shape == (6, CFG.vocab) and kept.dtype == np.float32
+    np.testing.assert_array_equal(kept.argmax(-1), plain[1:])
+    oracle = forced_logits(CFG, params, prompt, plain, ctx=CTX, device=jax.devices("cpu")[0], expert_k_chunk=K_CHUNK)
+    err = emitted_logit_err(kept, oracle)
+    assert np.isnan(err[0]) and np.nanmax(err) < 0.05, err
+    with pytest.raises(ValueError, match="do not match"):
+        emitted_logit_err(kept[1:], oracle)
+    assert "emitted_logits" not in spec.generate(params, CFG, prompt[None], 3, drafter, 3, ctx=CTX)

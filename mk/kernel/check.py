@@ -471,6 +471,19 @@ def forced_logits(cfg: K3Config, params: dict, prompt: np.ndarray, tokens: np.nd
     return np.stack(out)
 
 
+def emitted_logit_err(kernel: np.ndarray, oracle: np.ndarray) -> np.ndarray:
+    """Per emitted token [n], max |kernel - oracle| over the vocabulary: `kernel` [n - 1, vocab] the
+    verify steps' logits that chose tokens 1..n-1 (`speculative.generate(keep_logits=True)`), `oracle`
+    [n, vocab] the teacher-forced ones (`forced_logits`); token 0 (the prefill's) is NaN."""
+    if kernel.shape != (oracle.shape[0] - 1, oracle.shape[1]):
+        raise ValueError(f"kernel logits {kernel.shape} do not match the oracle's {oracle.shape} less the first row")
+    return np.concatenate([[np.nan], np.abs(kernel.astype(np.float32) - oracle[1:]).max(-1)])
+
+
+def _nan_none(x) -> float | None:
+    return None if np.isnan(x) else float(x)
+
+
 def greedy_flips(tokens: np.ndarray, oracle: np.ndarray, tie_below) -> list[dict]:
     """Emitted tokens [n] that are not the oracle's greedy choice under its teacher-forced logits
     `oracle` [n, vocab]: {"position", "token", "greedy", "ref_margin" (the oracle's max logit minus the
@@ -501,7 +514,9 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
     `check_on_chip` compares a step: every emitted token against the CPU oracle's logits
     teacher-forced along the emitted sequence (`forced_logits`); a token other than the oracle's
     argmax (`greedy_flips`) passes only at a near tie, a top gap below max(NEAR_TIE, 2 x XLA on the
-    chip's logit error at that position). `policy` ("exact" or "chip") overrides the backend's.
+    chip's logit error at that position), and the verify steps' logits of the emitted tokens must lie
+    within CHIP_FACTOR x XLA on the chip's largest distance from the oracle's (`emitted_logit_err`;
+    each flip records both distances at its position). `policy` ("exact" or "chip") overrides the backend's.
     Returns {"batch", "tokens_equal", "first_difference" (per sequence), "acceptance" (per sequence),
     "steps", "full", "zero", "partial" (over every sequence's steps),
     "positions", "crosses_mla_block", "races", "policy", "greedy_flips", "seconds", "verdict",
@@ -549,7 +564,7 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
             return out
 
     res = speculative.generate(params, cfg, prompt, new_tokens, drafter, k, ctx=ctx, verifier=Verifier(),
-                               reference_prefill=True)
+                               reference_prefill=True, keep_logits=policy == "chip")
     got = np.asarray(res["tokens"])
     acc = [[int(a) for a in row] for row in res["acceptance"]]
     firsts = [int(d[0]) if d.size else None for d in (np.flatnonzero(g != o) for g, o in zip(got, oracle))]
@@ -565,15 +580,19 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
     if policy == "chip" and mesh == 1:
         cpu = _cpu_oracle_device()
         kc = expert_k_chunk(verifier.plan)
-        flips, x_max = [], 0.0
+        flips, x_max, k_max = [], 0.0, 0.0
         for b in range(batch):
             forced = functools.partial(forced_logits, cfg, params, prompt[b], got[b], ctx=ctx, expert_k_chunk=kc)
             o_logits = forced(device=cpu)
             x_err = np.abs(forced(device=jax.devices()[0]) - o_logits).max(-1)
-            x_max = max(x_max, float(x_err.max()))
-            flips += [{"sequence": b, **f} for f in greedy_flips(got[b], o_logits, np.maximum(NEAR_TIE, 2 * x_err))]
+            k_err = emitted_logit_err(res["emitted_logits"][b], o_logits)
+            x_max, k_max = max(x_max, float(x_err.max())), max(k_max, float(np.nanmax(k_err)))
+            flips += [{"sequence": b, **f, "kernel_logit_err": _nan_none(k_err[f["position"]]),
+                       "xla_logit_err": float(x_err[f["position"]])}
+                      for f in greedy_flips(got[b], o_logits, np.maximum(NEAR_TIE, 2 * x_err))]
         far = far_from_tie(flips)
-        out.update(greedy_flips=flips, xla_max_abs_logit_err=x_max,
+        out.update(greedy_flips=flips, xla_max_abs_logit_err=x_max, max_abs_logit_err=k_max,
+                   factor_logits=k_max / x_max if x_max else None,
                    mode=f"{'compiled' if chip else 'interpreted'} ({jax.devices()[0].device_kind}); oracle: "
                         f"reference on CPU, teacher-forced along the emitted tokens")
         if far:
@@ -581,7 +600,10 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
             reasons.append(f"{len(far)} emitted token(s) away from a near tie (sequence {f['sequence']}, position "
                            f"{f['position']}: token "
                            f"{f['token']}, oracle's {f['greedy']}, top gap {f['ref_margin']:.4f} >= "
-                           f"{f['near_tie_below']:.4f})")
+                           f"{f['near_tie_below']:.4f}; the kernel's logits there {f['kernel_logit_err']} from the "
+                           f"oracle's, XLA on the chip's {f['xla_logit_err']:.4g})")
+        if not k_max <= CHIP_FACTOR * x_max:
+            reasons.append(f"logits: kernel {k_max:.4g} from the oracle > {CHIP_FACTOR} x XLA on chip's {x_max:.4g}")
     elif not out["tokens_equal"]:
         b = next(i for i, f in enumerate(firsts) if f is not None)
         reasons.append(f"tokens differ from plain greedy decoding (sequence {b} from position {firsts[b]})"

@@ -188,7 +188,7 @@ class ReferenceVerifier:
 
 def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, ctx: int | None = None, fixed_acceptance: int | None = None,
-             verifier=None, reference_prefill: bool = False) -> dict:
+             verifier=None, reference_prefill: bool = False, keep_logits: bool = False) -> dict:
     """Speculative generation from prompts [B, T0] (or [T0]). Returns tokens [B, max_new_tokens],
     `acceptance` (one list per row: acceptance length of every step), `steps`, `mean_acceptance`,
     `tokens_per_step`, `prefill_s`, `decode_s`, `tokens_per_s` (emitted tokens / decode time).
@@ -197,7 +197,9 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     tokens are then not meaningful). `verifier` runs the verify steps (`ReferenceVerifier`, the
     default, or `mk.kernel.step.KernelVerifier`). `reference_prefill`: the prompt runs through the
     reference's verify step and its cache is handed to the verifier (`verifier.adopt`), so a
-    kernel in interpret mode spends its time on the generated tokens only.
+    kernel in interpret mode spends its time on the generated tokens only. `keep_logits`: also return
+    "emitted_logits", per row the verify step's logits [max_new_tokens - 1, vocab] f32 that chose each
+    emitted token after the first (the first is the prefill's).
     """
     prompt = _prompt_rows(prompt)
     B, T0 = prompt.shape
@@ -219,6 +221,7 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
 
     out = [[int(a)] for a in anchor]
     acceptance: list[list[int]] = [[] for _ in range(B)]
+    kept: list[list[np.ndarray]] = [[] for _ in range(B)]   # keep_logits: the rows that chose each token
     steps = 0
     while min(len(o) for o in out) < max_new_tokens:
         drafts = np.asarray(drafter.propose(dstate, anchor, pos, k), np.int32)
@@ -236,6 +239,8 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
                 counts[b] = fixed_acceptance - 1
                 bonus[b] = int(np.argmax(logits[b, counts[b]]))
             out[b] += [int(x) for x in drafts[b, :counts[b]]] + [int(bonus[b])]
+            if keep_logits:
+                kept[b] += list(logits[b, :counts[b] + 1].astype(np.float32))
             acceptance[b].append(int(counts[b]) + 1)
         if aux_layers:
             dstate = drafter.observe(dstate, block["aux"], pos)
@@ -247,10 +252,13 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     t2 = time.perf_counter()
     emitted = sum(len(o) - 1 for o in out)         # the first token came from prefill
     flat = [a for row in acceptance for a in row]
-    return {"tokens": np.asarray([o[:max_new_tokens] for o in out], np.int32), "acceptance": acceptance,
-            "steps": steps, "mean_acceptance": float(np.mean(flat)) if flat else 0.0,
-            "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
-            "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx}
+    res = {"tokens": np.asarray([o[:max_new_tokens] for o in out], np.int32), "acceptance": acceptance,
+           "steps": steps, "mean_acceptance": float(np.mean(flat)) if flat else 0.0,
+           "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+           "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx}
+    if keep_logits:
+        res["emitted_logits"] = [np.stack(k)[:max_new_tokens - 1] for k in kept]
+    return res
 
 
 def _prefill(params, prompt, drafter, k, ctx, verifier, prefiller, temperature, top_p, seed):
