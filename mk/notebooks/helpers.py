@@ -476,7 +476,7 @@ def records_figure(records):
         g = case.get((r.get("config"), r.get("experts"), r["batch"]))
         if not (r["impl"] == "kernel" and g and impls[run(r)] == {"kernel"} and r["date"] >= raced[g]):
             continue
-        if r["record"] in sweeps and r.get("prefetch_depth") != _default_depth(r):
+        if r["record"] in sweeps and r.get("prefetch_depth") != default_depth_of(r):
             continue                                      # a sweep's depth other than today's default
         if g not in newest or r["date"] >= newest[g]["date"]:
             newest[g] = r
@@ -504,9 +504,9 @@ def records_figure(records):
     return fig
 
 
-def _default_depth(r: dict) -> int | None:
-    """The prefetch depth the kernel now plans by default for a bench row's config, experts and batch
-    (on a v5e), or None for a config that is no preset."""
+def default_depth_of(r) -> int | None:
+    """The prefetch depth the kernel now plans by default for a bench row's (a dict or a DataFrame row)
+    config, experts and batch (on a v5e), or None for a config that is no preset."""
     from mk.kernel.plan import make_plan
     try:
         return make_plan(get_config(r.get("config")), r["batch"], chip="v5e", experts=r.get("experts")).prefetch_depth
