@@ -219,7 +219,7 @@ def summary(rows: list[dict]) -> str:
     depths = sorted({r.get("prefetch_depth") for r in rows if r["impl"] == "kernel"}, key=lambda d: (d is None, d))
     if len(depths) > 1:                          # a sweep of the kernel alone: one part per depth
         parts = [summary([r for r in rows if r.get("prefetch_depth") == d]) for d in depths]
-        note = next((n for n in (UNIFORM_NOTE,) if all(p.endswith(n) for p in parts)), "")
+        note = UNIFORM_NOTE if all(p.endswith(UNIFORM_NOTE) for p in parts) else ""
         return " | ".join(f"depth {d}: " + p.removesuffix(note) for d, p in zip(depths, parts)) + note
     batches = sorted({r["batch"] for r in rows})
     kern = {r["batch"]: r for r in rows if r["impl"] == "kernel" and not r.get("error")}

@@ -633,12 +633,16 @@ def has_fp8_mxu(system) -> bool:
     return bool(_system(system).chip.get("fp8_flops"))
 
 
+KERNEL_RING = "kernel"   # `mk_plan`'s prefetch_depth: the ring the kernel takes by default (`make_plan`'s)
+
+
 def mk_plan(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAULT_CONTEXT, *,
-            options: ScheduleOptions = MK, prefetch_depth: int | None = None, tile=None,
+            options: ScheduleOptions = MK, prefetch_depth: int | str | None = None, tile=None,
             experts: str = "mxfp4") -> Plan:
     """mk's plan for `system`: the kernel's mesh rule over all its devices (`default_layout`), MXFP4
     experts, its chip (`Plan.chip`; the VMEM limit: the kernel's 64 MiB or the chip's VMEM,
-    data/hardware.csv, whichever is less), and (prefetch_depth None) the deepest ring that fits it."""
+    data/hardware.csv, whichever is less), and (prefetch_depth None) the deepest ring that fits it;
+    `KERNEL_RING`: the kernel's default ring (`default_prefetch_depth`, halved by `make_plan` to fit)."""
     from mk.model.sharding import default_layout
     s = _system(system)
     if experts == "mxfp4" and options.mxfp4_matmul == "fp8" and not has_fp8_mxu(s):
@@ -651,6 +655,8 @@ def mk_plan(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DEFAUL
     vmem = min(planlib.DEFAULT_VMEM_LIMIT, int(s.chip.per_core("onchip_bytes")))
     kw = dict(layout=default_layout(cfg, s.devices), ctx=context, experts=experts, options=options, tile=tile,
               chip=chip, vmem_limit=vmem)
+    if prefetch_depth == KERNEL_RING:
+        return make_plan(cfg, batch, check=False, **kw)
     if prefetch_depth is None:
         prefetch_depth = _deepest_ring(cfg, batch, kw)
     return make_plan(cfg, batch, prefetch_depth=prefetch_depth, check=False, **kw)
@@ -715,7 +721,7 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
         choices = {f: (getattr(MK, f),) for f in MK_CHOICES} | {"mxfp4_matmul": choices["mxfp4_matmul"][:1],
                                                                   "tile": (tile,)}
         if depth is None:
-            depth = planlib.default_prefetch_depth(tile, experts)
+            depth = KERNEL_RING
     step: dict[tuple, tuple] = {}
     key = lambda pick: tuple(f"{v[0]}x{v[1]}" if f == "tile" else v for f, v in pick.items())
 
