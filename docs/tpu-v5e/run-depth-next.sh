@@ -13,9 +13,12 @@
 #   ... run-depth-next.sh check
 #       the verify step on the chip under the chip policy, mini, one and 2 sequences x (1 + 3) rows
 #       (failed on 2026-12-07b on one token; see docs/tpu.md) (~3 min)
+#   ... run-depth-next.sh trace
+#       the verify check at one sequence (kernel logits kept), then the region trace on the default ring
+#       of 2026-12-07b: k3-d48 bf16 B = 1 and k3-chip bf16 B = 1, 8 (~8 min)
 # Carry .whl-tpu (make tpu-wheels && make peer-wheels PEER_WHEELS=.whl-tpu).
 set -u
-case "${1:?which part: retime, mxfp4race, middle or check}" in
+case "${1:?which part: retime, mxfp4race, middle, check or trace}" in
   retime) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
      for c in k3-chip k3-d12 k3-d24 k3-d48; do
        step bench-$c-bf16-kernel-b24 110 python3 -m mk bench --config $c --experts bf16 --impl kernel --batch 2,4 --steps 8 --json
@@ -30,6 +33,10 @@ case "${1:?which part: retime, mxfp4race, middle or check}" in
   check) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
      step check-mini-verify-b1 120 python3 -m mk check --config mini --speculative 3 --json
      step check-mini-verify-b2 150 python3 -m mk check --config mini --batch 2 --speculative 3 --json ;;
+  trace) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
+     step check-mini-verify-b1 150 python3 -m mk check --config mini --speculative 3 --json
+     step phase-k3-d48 200 python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 1 --experts bf16 --out "$OUT"
+     step phase-k3-chip 170 python3 docs/tpu-v5e/phase_trace.py --config k3-chip --batch 8,1 --experts bf16 --out "$OUT" ;;
 esac
 for f in "$OUT"/*.out; do [ -s "$f" ] && mv "$f" "${f%.out}.json"; done
 true
