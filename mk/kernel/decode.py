@@ -37,8 +37,8 @@ from mk.kernel import refs as refs_mod
 from mk.kernel.attn_res import mix
 from mk.kernel.collectives import all_reduce, barrier
 from mk.kernel.dense_mlp import dense_mlp
-from mk.kernel.kda import kda
-from mk.kernel.mla import mla
+from mk.kernel.kda import kda, wait_state_stores
+from mk.kernel.mla import mla, wait_write_back
 from mk.kernel.moe import moe
 from mk.kernel.ring import WeightRing
 from mk.model.layers.common import bf, f32, rms
@@ -170,6 +170,11 @@ def decode_kernel(plan: Plan):
             h = mix(r.p[...], r.blocks, cfg.n_blocks, k.vec("attn_res", d), eps)   # row set L: output_res
             normed = rms(h, k.vec("attn_norm", d), eps)                             # ... and final_norm
             r.logits[...] = ring.matmul(normed, plan.stream(L).matrix("lm_head"))
+        with jax.named_scope("step_end"):               # the last layers' write backs, left in flight
+            if cfg.n_mla:
+                wait_write_back(k)
+            if cfg.n_kda:
+                wait_state_stores(k)
 
     return kernel
 

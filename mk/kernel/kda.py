@@ -2,7 +2,10 @@
 
 Gate-first order: the small gate path (f_a, f_b) streams in before the fused q|k|v|g|b
 projection. The layer's recurrent and conv states are DMA'd HBM -> VMEM at entry (overlapping
-the projections) and written back in place (the HBM arrays are aliased to the outputs).
+the projections) and written back in place (the HBM arrays are aliased to the outputs); the write
+back stays in flight past the layer, waited by the next KDA layer before it loads into the same
+buffers, or by the step's end (`wait_state_stores`): a DMA issued behind the ring's tiles waits for
+them, and nothing in the layer needs it done.
 The delta rule runs per (row, head) on a [D, D] fp32 state with elementwise ops: the function
 is `mk.model.layers.kda.kda_head`, the very one the reference maps over rows and heads.
 
@@ -92,6 +95,7 @@ def kda(k, a, i):
     copies = StateCopies(r, i, B)
 
     with jax.named_scope("kda_state_in"):
+        pl.when(i > 0)(lambda: wait_state_stores(k))     # the KDA layer before's, out of these buffers
         for b in range(B):
             _when_first(r, b, copies.load(b), "start")
     with jax.named_scope("kda_projections"):
@@ -141,11 +145,15 @@ def kda(k, a, i):
             jax.lax.fori_loop(0, H, head, 0, unroll=min(HEADS_UNROLL, H))
 
     with jax.named_scope("kda_state_out"):
-        stores = copies.store()
-        for c in stores:
+        for c in copies.store():                             # waited by the next KDA layer
             c.start()
     with jax.named_scope("kda_out_proj"):
-        out = all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])
-    for c in stores:
+        return all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])
+
+
+def wait_state_stores(k):
+    """Wait for every row's state write back a KDA layer left in flight (`StateCopies.store`): at
+    the next KDA layer's start, and at the step's end. A wait needs only the copy's size, which
+    every layer shares."""
+    for c in StateCopies(k.refs, 0, k.plan.batch).store():
         c.wait()
-    return out

@@ -8,6 +8,12 @@ block's next row reads the block this one writes back, so it waits for it). The 
 across rows (`base`). The block that holds the row's position gets the new key/value merged in (by
 position mask) before it is used, and of it only the 16-position tile that holds the new position is
 written back (`CACHE_WRITE_ROWS`, the bf16 sublane tile): only touched slices move.
+
+Two transfers leave the layer's critical path, because a DMA issued behind the ring's tiles waits for
+them (up to `INFLIGHT_BYTES` of weights): row 0's first block is fetched before the projections, which
+it then lands under, and the last row's write back is left in flight on its own semaphores
+(`cache_sems[2]`), waited by the next MLA layer before it fetches, or by the step's end
+(`wait_write_back`).
 Heads go G at a time (`Plan.attention_heads`, 8 on K3): one loop step forms G heads' scores in one
 batched product and updates their softmax state together (on the v5e at B = 8, 2048 attended
 tokens cost 2.48 ms over 1 token with one head per step, 0.61 ms with 8, of which the cache
@@ -47,9 +53,14 @@ def _block_copies(r, b, i, j, buf, tile=None):
             (r.mla_v_hbm.at[seq, i, :, rows], r.v_block.at[buf, :, at], r.cache_sems.at[buf, 1]))
 
 
-def _copy_block(r, b, i, j, buf, *, wait: bool, to_hbm: bool = False, tile=None):
-    """Start (wait=False) or wait for (wait=True) the K and V copies of `_block_copies`."""
-    for src, dst, sem in _block_copies(r, b, i, j, buf, tile):
+LAST_WRITE_BACK = 2   # cache_sems[2]: the semaphores of the write back left in flight past the layer
+
+
+def _copy_block(r, b, i, j, buf, *, wait: bool, to_hbm: bool = False, tile=None, sems=None):
+    """Start (wait=False) or wait for (wait=True) the K and V copies of `_block_copies` (on the
+    semaphores of row `sems` of cache_sems, default the buffer's)."""
+    for n, (src, dst, sem) in enumerate(_block_copies(r, b, i, j, buf, tile)):
+        sem = sem if sems is None else r.cache_sems.at[sems, n]
         copy = pltpu.make_async_copy(dst, src, sem) if to_hbm else pltpu.make_async_copy(src, dst, sem)
         if wait:
             copy.wait()
@@ -92,10 +103,8 @@ def _attend_row(k, b, i, base):
 
     def fetch_first():
         _copy_block(r, b, i, 0, base % 2, wait=False)
-    if b == 0:
-        fetch_first()
-    else:                                           # a row starting its sequence: row b - 1 started it
-        pl.when(~first_of_sequence(r, b))(fetch_first)
+    if b > 0:                                       # row 0's was started before the projections (`mla`);
+        pl.when(~first_of_sequence(r, b))(fetch_first)   # a row starting its sequence: row b - 1 started it
 
     def block(j, carry):
         buf = (base + j) % 2
@@ -132,8 +141,11 @@ def _attend_row(k, b, i, base):
         @pl.when(last)
         def _write_back():                          # the 16 positions around the new one
             tile = (pos - j * BLOCK) // CACHE_WRITE_ROWS * CACHE_WRITE_ROWS
-            _copy_block(r, b, i, j, buf, wait=False, to_hbm=True, tile=tile)
-            _copy_block(r, b, i, j, buf, wait=True, to_hbm=True, tile=tile)
+            if b + 1 < k.plan.batch:                # the next row may read it, or fetch into `buf`
+                _copy_block(r, b, i, j, buf, wait=False, to_hbm=True, tile=tile)
+                _copy_block(r, b, i, j, buf, wait=True, to_hbm=True, tile=tile)
+            else:                                   # the layer's last: in flight past the layer
+                _copy_block(r, b, i, j, buf, wait=False, to_hbm=True, tile=tile, sems=LAST_WRITE_BACK)
         return carry
 
     jax.lax.fori_loop(0, n_blocks, block, 0)
@@ -158,6 +170,8 @@ def mla(k, a, i):
     s = k.plan.stream(cfg.mla_layers[0])
     proj, q_b, kv_b, o_proj = (s.matrix(n) for n in ("mla.in", "mla.q_b", "mla.kv_b", "mla.o"))
     with jax.named_scope("mla_projections"):
+        pl.when(i > 0)(lambda: wait_write_back(k))    # the MLA layer before's last write back, out of buffer 0 | 1
+        _copy_block(r, 0, i, 0, 0, wait=False)          # row 0's first block lands under the projections
         y = ring.matmul(a, proj)
         q_a, kv_a, g = (proj.part(n).cols(y) for n in ("q_a", "kv_a", "g"))
         c_q = rms(bf(q_a), k.vec("q_a_norm", cfg.q_rank), cfg.eps)
@@ -173,3 +187,10 @@ def mla(k, a, i):
             base = _attend_row(k, b, i, base)
     with jax.named_scope("mla_out_proj"):
         return all_reduce(k, "attn_out", ring.matmul(r.attn_out[...], o_proj)[:, :cfg.dim])
+
+
+def wait_write_back(k):
+    """Wait for the last write back an MLA layer left in flight (`cache_sems[2]`): at the next MLA
+    layer's start, and at the step's end. The wait needs only the copy's size, which every row and
+    layer share."""
+    _copy_block(k.refs, 0, 0, 0, 0, wait=True, to_hbm=True, tile=0, sems=LAST_WRITE_BACK)

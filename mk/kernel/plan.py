@@ -735,7 +735,7 @@ class Plan:
             VM("mla_gate", (R, HD), BF16),
             VM("k_block", (2, H, 128, c.k_cache_dim), BF16),                 # two 128-position blocks:
             VM("v_block", (2, H, 128, D), BF16),                             # one attended, one landing
-            DMA("cache_sems", (2, 2)),                                       # [buffer, K | V]
+            DMA("cache_sems", (3, 2)),                                       # [buffer 0 | 1 | last write back, K | V]
             VM("softmax", (3, H, 1, 128), F32),                              # running max, denom (lane-bcast)
             VM("softmax_acc", (H, 1, D), F32),
             # MoE

@@ -266,16 +266,19 @@ def megakernel(plan, distinct_experts: list[float]):
                     # spec 3.6: read the touched 128-token block, merge the new rows, write it back
                     vector(l, "mla_commit", 0, 2 * block, hbm_bytes=block, writeback_bytes=block)
                 elif mla:   # mk's kernel (`mk.kernel.mla`): row after row, the row's cache blocks DMA'd in
-                    # (each next in flight while one is attended; a row's first while the row before
-                    # attends, where that row is of another sequence), then the 16-position tile holding
-                    # the new key / value written back and waited before the next row starts
+                    # (row 0's first before the projections; each next in flight while one is attended;
+                    # a row's first while the row before attends, where that row is of another
+                    # sequence), then the 16-position tile holding the new key / value written back:
+                    # waited before the next row starts, the last row's left in flight
                     cache = H * plan.ctx * (c.k_cache_dim + D) * 2
                     block = H * CACHE_WRITE_ROWS * (c.k_cache_dim + D) * 2
                     for row in range(B):
-                        lead = 2 if row and row % plan.seq_rows == 0 else 0
+                        lead = len(b.phases) - am - 1 if row == 0 else 2 if row % plan.seq_rows == 0 else 0
+                        last = dict(writeback_bytes=block) if row == B - 1 else {}
                         vector(l, "mla_attention", 2 * H * plan.ctx * (c.qk_head_dim + D) + 5 * H * plan.ctx,
-                               2 * cache, hbm_bytes=cache, hbm_lead=lead)
-                        vector(l, "mla_cache_write", 0, 0, hbm_bytes=block)
+                               2 * cache, hbm_bytes=cache, hbm_lead=lead, **last)
+                        if not last:
+                            vector(l, "mla_cache_write", 0, 0, hbm_bytes=block)
                 else:       # mk's kernel starts the state read at KDA entry, before the projections
                     kw = (dict(hbm_bytes=state_bytes, hbm_lead=len(b.phases) - am - 1) if not look
                           else dict(consumes=(l, "kda.state")))
