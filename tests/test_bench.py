@@ -152,7 +152,9 @@ def test_record_summary_names_the_best_other_step():
     assert summary(add_ratios(rows)) == (
         "kernel device 5.00 / 6.00 ms at B = 1 / 8; 0.90 / 0.85 of stream; vs the better of xla and peer "
         "(peer/xla): 1.50 / 1.10x device, 1.42 / 1.09x wall")
-    assert summary([{"impl": "kernel", "batch": 1, "error": "OOM"}]) == "kernel not run: OOM"
+    assert summary([{"impl": "kernel", "batch": 1, "error": "OOM"}]) == "not run: OOM"
+    rivals = [r for r in rows if r["impl"] == "peer"] + [{"impl": "xla", "batch": 8, "error": "OOM"}]
+    assert summary(rivals) == "peer device 7.50 / 9.00 ms at B = 1 / 8 (kernel not run); not run: OOM"
 
 
 def test_generate_mode_refuses_on_cpu_in_one_line():

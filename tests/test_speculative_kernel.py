@@ -156,14 +156,23 @@ def test_chip_policy_compares_each_token_with_the_teacher_forced_oracle(params):
     """`mk check --speculative` on a TPU (`check_speculative`'s chip policy): row i of `forced_logits` is
     what plain greedy decoding sees before its token i, so along plain greedy's own tokens every
     argmax is that token and `greedy_flips` finds none; a token off the argmax is a flip whose
-    `ref_margin` is the oracle's top logit minus the token's, a pass only below its near-tie bound."""
-    from mk.kernel.check import forced_logits, greedy_flips
+    `ref_margin` is the oracle's top logit minus the token's, a pass only below its near-tie bound or
+    at a routing near tie (the oracle's routing margin there below ROUTE_NEAR_TIE)."""
+    from mk.kernel.check import ROUTE_NEAR_TIE, far_from_tie, forced_logits, greedy_flips, route_near_ties
     from mk.model.layers.common import K_CHUNK
     prompt = np.asarray([(i * 37 + 11) % CFG.vocab for i in range(5)], np.int32)
     plain = np.asarray(ref.generate(params, CFG, prompt[None], 6, ctx=CTX)["tokens"])[0]
-    logits = forced_logits(CFG, params, prompt, plain, ctx=CTX, device=jax.devices("cpu")[0],
-                           expert_k_chunk=K_CHUNK)
-    assert logits.shape == (6, CFG.vocab)
+    logits, margins = forced_logits(CFG, params, prompt, plain, ctx=CTX, device=jax.devices("cpu")[0],
+                                    expert_k_chunk=K_CHUNK, route_margins=True)
+    assert logits.shape == (6, CFG.vocab) and margins.shape == (6, CFG.layers - 1) and (margins >= 0).all()
+    tied = margins.copy()
+    tied[4, 2] = 0.001
+    assert {"sequence": 1, "position": 4, "moe_layer": 3, "route_margin": float(np.float32(0.001))} in \
+        route_near_ties(tied, 1)
+    far = {"ref_margin": 0.5, "near_tie_below": 0.05}
+    assert far_from_tie([far]) == [far]
+    assert far_from_tie([at := far | {"route_margin": ROUTE_NEAR_TIE}]) == [at]
+    assert far_from_tie([far | {"route_margin": ROUTE_NEAR_TIE / 2}]) == []
     np.testing.assert_array_equal(logits.argmax(-1), plain)
     assert greedy_flips(plain, logits, 0.05) == []
     other = plain.copy()

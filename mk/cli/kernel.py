@@ -195,7 +195,8 @@ def _run_check_speculative(cfg, args) -> int:
         summary = (f"{res['verdict']}; {args.batch} x {res['new_tokens']} tokens, k = {k}, {res['full']} / "
                    f"{res['partial']} / {res['zero']} steps of full / partial / no acceptance; "
                    + (f"{len(res['greedy_flips'])} token(s) off the oracle's argmax, {far} away from a near tie; "
-                      f"max logit error kernel {res['max_abs_logit_err']:.4g} / XLA {res['xla_max_abs_logit_err']:.4g}"
+                      f"max logit error kernel {res['max_abs_logit_err']:.4g} / XLA {res['xla_max_abs_logit_err']:.4g} "
+                      f"over the positions not at a routing near tie ({len(res.get('route_near_ties', []))})"
                       if res["policy"] == "chip" and "greedy_flips" in res else
                       "tokens equal to plain greedy" if res["tokens_equal"] else
                       f"tokens differ from plain greedy (first difference per sequence {res['first_difference']})"))

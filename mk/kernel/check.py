@@ -123,8 +123,10 @@ def exact_verdict(res: dict) -> list[str]:
 
 
 def far_from_tie(flips: list[dict]) -> list[dict]:
-    """The greedy flips whose oracle top gap is not below their own near-tie bound (`near_tie_below`)."""
-    return [f for f in flips if not f["ref_margin"] < f["near_tie_below"]]
+    """The greedy flips whose oracle top gap is not below their own near-tie bound (`near_tie_below`)
+    and whose position is not a routing near tie (`route_margin` below ROUTE_NEAR_TIE, where recorded)."""
+    return [f for f in flips if not f["ref_margin"] < f["near_tie_below"]
+            and not f.get("route_margin", np.inf) < ROUTE_NEAR_TIE]
 
 
 def chip_verdict(res: dict) -> list[str]:
@@ -454,21 +456,34 @@ def check_on_chip(cfg: K3Config, step_fn, params: dict, batch: int, steps: int, 
 
 
 def forced_logits(cfg: K3Config, params: dict, prompt: np.ndarray, tokens: np.ndarray, *, ctx: int,
-                  device, expert_k_chunk: int) -> np.ndarray:
+                  device, expert_k_chunk: int, route_margins: bool = False):
     """The reference's logits [n, vocab] f32 for each of n emitted `tokens` [n], teacher-forced: row i
     is what plain greedy decoding sees after prompt [T] + tokens[:i] (row i's argmax is its token i).
-    Runs `mk.model.reference.decode_step` on `device` (the CPU oracle, or XLA on the chip)."""
+    Runs `mk.model.reference.decode_step` on `device` (the CPU oracle, or XLA on the chip). With
+    route_margins, (logits, margins [n, n_moe] f32): row i's routing margin in every MoE layer."""
     from mk.model import reference
     params = jax.device_put(params, device)
     cache = jax.device_put(reference.init_cache(cfg, 1, ctx), device)
     seq = np.concatenate([prompt, tokens[:-1]]).astype(np.int32)
-    out = []
+    out, margins = [], []
     for i, t in enumerate(seq):
-        logits, cache = reference.decode_step(params, cache, jax.device_put(jnp.asarray([t]), device), cfg=cfg,
-                                              expert_k_chunk=expert_k_chunk)
+        logits, cache, *m = reference.decode_step(params, cache, jax.device_put(jnp.asarray([t]), device), cfg=cfg,
+                                                  expert_k_chunk=expert_k_chunk, route_margins=route_margins)
         if i >= len(prompt) - 1:
             out.append(np.asarray(logits[0], np.float32))
-    return np.stack(out)
+            margins += [np.asarray(m[0][0], np.float32)] if m else []
+    return (np.stack(out), np.stack(margins)) if route_margins else np.stack(out)
+
+
+def route_near_ties(margins: np.ndarray, sequence: int) -> list[dict]:
+    """Positions whose oracle routing margin (`forced_logits(route_margins=True)`, [n, n_moe]) is below
+    ROUTE_NEAR_TIE in some MoE layer: {"sequence", "position", "moe_layer", "route_margin"} (the
+    smallest), as `check_on_chip` reports its rows."""
+    out = []
+    for i in np.flatnonzero((margins < ROUTE_NEAR_TIE).any(axis=-1)):
+        l = int(np.argmin(margins[i]))
+        out.append({"sequence": sequence, "position": int(i), "moe_layer": l + 1, "route_margin": float(margins[i, l])})
+    return out
 
 
 def emitted_logit_err(kernel: np.ndarray, oracle: np.ndarray) -> np.ndarray:
@@ -513,11 +528,15 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
     near tie sends greedy decoding down another sequence, so the tokens are compared as
     `check_on_chip` compares a step: every emitted token against the CPU oracle's logits
     teacher-forced along the emitted sequence (`forced_logits`); a token other than the oracle's
-    argmax (`greedy_flips`) passes only at a near tie, a top gap below max(NEAR_TIE, 2 x XLA on the
-    chip's logit error at that position), and the verify steps' logits of the emitted tokens must lie
-    within CHIP_FACTOR x XLA on the chip's largest distance from the oracle's (`emitted_logit_err`;
-    each flip records both distances at its position). `policy` ("exact" or "chip") overrides the backend's.
-    Returns {"batch", "tokens_equal", "first_difference" (per sequence), "acceptance" (per sequence),
+    argmax (`greedy_flips`) passes only at a near tie: a top gap below max(NEAR_TIE, 2 x XLA on the
+    chip's logit error at that position), or a routing near tie (the oracle's routing margin there below
+    ROUTE_NEAR_TIE in some MoE layer, `route_near_ties`, as `check_on_chip` leaves such rows out). The
+    verify steps' logits of the emitted tokens must lie within CHIP_FACTOR x XLA on the chip's largest
+    distance from the oracle's (`emitted_logit_err`) over the positions that are not routing near ties;
+    each flip records both distances and the routing margin at its position. `policy` ("exact" or
+    "chip") overrides the backend's.
+    Returns {"batch", "tokens" (the emitted ones, per sequence), "tokens_equal", "first_difference" (per
+    sequence), "acceptance" (per sequence),
     "steps", "full", "zero", "partial" (over every sequence's steps),
     "positions", "crosses_mla_block", "races", "policy", "greedy_flips", "seconds", "verdict",
     "reasons"}."""
@@ -575,23 +594,29 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
            "zero": sum(a == 1 for a in every), "partial": sum(1 < a <= k for a in every),
            "positions": [prompt_len, prompt_len + new_tokens - 1],
            "crosses_mla_block": prompt_len // 128 != (prompt_len + new_tokens - 1) // 128,
-           "races": races, "policy": policy}
+           "races": races, "policy": policy, "tokens": got.tolist(), "prompt_len": prompt_len, "seed": seed}
     reasons = [f"race detector fired in {races} step(s)"] if races else []
     if policy == "chip" and mesh == 1:
         cpu = _cpu_oracle_device()
         kc = expert_k_chunk(verifier.plan)
-        flips, x_max, k_max = [], 0.0, 0.0
+        flips, near, x_max, k_max = [], [], 0.0, 0.0
         for b in range(batch):
             forced = functools.partial(forced_logits, cfg, params, prompt[b], got[b], ctx=ctx, expert_k_chunk=kc)
-            o_logits = forced(device=cpu)
+            o_logits, margins = forced(device=cpu, route_margins=True)
             x_err = np.abs(forced(device=jax.devices()[0]) - o_logits).max(-1)
             k_err = emitted_logit_err(res["emitted_logits"][b], o_logits)
-            x_max, k_max = max(x_max, float(x_err.max())), max(k_max, float(np.nanmax(k_err)))
+            ties = route_near_ties(margins, b)   # one rounding there may route another expert: not compared
+            near += ties
+            keep = np.ones(len(x_err), bool)
+            keep[[t["position"] for t in ties]] = False
+            x_max = max(x_max, float(x_err[keep].max(initial=0.0)))
+            k_max = max(k_max, float(np.nanmax(k_err[keep], initial=0.0)))
             flips += [{"sequence": b, **f, "kernel_logit_err": _nan_none(k_err[f["position"]]),
-                       "xla_logit_err": float(x_err[f["position"]])}
+                       "xla_logit_err": float(x_err[f["position"]]),
+                       "route_margin": float(margins[f["position"]].min(initial=np.inf))}
                       for f in greedy_flips(got[b], o_logits, np.maximum(NEAR_TIE, 2 * x_err))]
         far = far_from_tie(flips)
-        out.update(greedy_flips=flips, xla_max_abs_logit_err=x_max, max_abs_logit_err=k_max,
+        out.update(greedy_flips=flips, route_near_ties=near, xla_max_abs_logit_err=x_max, max_abs_logit_err=k_max,
                    factor_logits=k_max / x_max if x_max else None,
                    mode=f"{'compiled' if chip else 'interpreted'} ({jax.devices()[0].device_kind}); oracle: "
                         f"reference on CPU, teacher-forced along the emitted tokens")
@@ -600,8 +625,9 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
             reasons.append(f"{len(far)} emitted token(s) away from a near tie (sequence {f['sequence']}, position "
                            f"{f['position']}: token "
                            f"{f['token']}, oracle's {f['greedy']}, top gap {f['ref_margin']:.4f} >= "
-                           f"{f['near_tie_below']:.4f}; the kernel's logits there {f['kernel_logit_err']} from the "
-                           f"oracle's, XLA on the chip's {f['xla_logit_err']:.4g})")
+                           f"{f['near_tie_below']:.4f}, routing margin {f['route_margin']:.4g} >= {ROUTE_NEAR_TIE}; "
+                           f"the kernel's logits there {f['kernel_logit_err']} from the oracle's, XLA on the chip's "
+                           f"{f['xla_logit_err']:.4g})")
         if not k_max <= CHIP_FACTOR * x_max:
             reasons.append(f"logits: kernel {k_max:.4g} from the oracle > {CHIP_FACTOR} x XLA on chip's {x_max:.4g}")
     elif not out["tokens_equal"]:

@@ -223,8 +223,20 @@ def summary(rows: list[dict]) -> str:
         return " | ".join(f"depth {d}: " + p.removesuffix(note) for d, p in zip(depths, parts)) + note
     batches = sorted({r["batch"] for r in rows})
     kern = {r["batch"]: r for r in rows if r["impl"] == "kernel" and not r.get("error")}
-    if not kern:
-        return "kernel not run: " + "; ".join(sorted({r["error"] for r in rows if r.get("error")}))[:200]
+    if not kern:                                 # the rivals alone: each one's times
+        timed = [i for i in dict.fromkeys(r["impl"] for r in rows) if any(
+            r["impl"] == i and r.get("median_ms") and not r.get("error") for r in rows)]
+        errors = "; ".join(sorted({r["error"] for r in rows if r.get("error")}))[:200]
+        if not timed:
+            return "not run: " + errors
+        parts = []
+        for i in timed:
+            by = {r["batch"]: r for r in rows if r["impl"] == i and not r.get("error")}
+            device = all(by[b].get("device_median_ms") for b in by)
+            times = [by.get(b, {}).get("device_median_ms" if device else "median_ms") for b in batches]
+            parts.append(f"{i} {'device' if device else 'wall'} {_series(times)} ms")
+        return (f"{'; '.join(parts)} at B = {' / '.join(map(str, batches))} (kernel not run)"
+                + (f"; not run: {errors}" if errors else ""))
     device = all(kern[b].get("device_median_ms") for b in kern)
     key, frac = ("device_median_ms", "device_frac_stream") if device else ("median_ms", "frac_stream")
     col = lambda name: [kern.get(b, {}).get(name) for b in batches]
