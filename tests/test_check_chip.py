@@ -11,25 +11,25 @@ from mk.kernel.step import make_step_fn
 from mk.kernel.moe import negated_combine
 
 
-def _run(fault: bool):
+def _run(fault: bool, steps: int):
     cfg = get_config("mini")
     params = params_mod.init(cfg, 0)
     kw = dict(ctx=256, interpret=interpret_params(False), experts="bf16")
     if fault:
         with negated_combine():
-            return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, 3)
-    return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, 3)
+            return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, steps)
+    return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, steps)
 
 
 @pytest.mark.slow
 def test_chip_policy_passes_a_correct_kernel_and_fails_a_planted_bug():
-    good = _run(False)
+    good = _run(False, 2)
     assert good["verdict"] == "pass", good["reasons"]
     assert good["policy"] == "chip" and good["max_abs_logit_err"] == 0.0
     assert set(good["vs_xla"]) >= {"logits", "cache.kda_state", "cache.mla_k", "cache.conv_state"}
     assert all(s["rows_compared"] + sum(n["step"] == s["step"] for n in good["route_near_ties"]) >= 2
                for s in good["per_step"])
-    bad = _run(True)
+    bad = _run(True, 1)                   # the planted bug shows in the first step
     assert bad["verdict"] == "fail"
     assert any(r.startswith("logits: kernel") for r in bad["reasons"]), bad["reasons"]
 

@@ -257,23 +257,37 @@ class _Issuer:
             return c
         return c if self.dmas[c].phase == self.ex.p else c - 1
 
-    def blocked(self, i: int) -> str | None:
-        """Why DMA i cannot be issued now (None: it can)."""
+    def _why(self, i: int) -> tuple | None:
+        """What holds DMA i back, as (rule, detail) (None: it can be issued now): the hot path of
+        `issue`, so no message is formatted here (`blocked`)."""
         d = self.dmas[i]
-        if self.depth is not None and i > self.anchor() + self.depth:
-            return f"outside the prefetch window (anchor {self.anchor()} + depth {self.depth})"
+        if self.depth is not None:
+            anchor = self.anchor()
+            if i > anchor + self.depth:
+                return "window", anchor
         occ = self.slot_busy.get(d.slot)
         if occ is not None:
-            return f"slot {d.slot} held by {occ.label}"
+            return "slot", occ
         if d.issue_after >= 0 and self.ex.end[d.issue_after] is None:
-            return f"issue_after phase {d.issue_after} has not ended"
+            return "after", d.issue_after
         if self.per_op and self.ex.start[d.phase] is None:
-            return "its kernel has not started"
+            return "kernel", None
         return None
+
+    def blocked(self, i: int) -> str | None:
+        """Why DMA i cannot be issued now (None: it can)."""
+        why = self._why(i)
+        if why is None:
+            return None
+        rule, x = why
+        return {"window": lambda: f"outside the prefetch window (anchor {x} + depth {self.depth})",
+                "slot": lambda: f"slot {self.dmas[i].slot} held by {x.label}",
+                "after": lambda: f"issue_after phase {x} has not ended",
+                "kernel": lambda: "its kernel has not started"}[rule]()
 
     def issue(self, now: float) -> bool:
         changed = False
-        while self.next < len(self.dmas) and self.blocked(self.next) is None:
+        while self.next < len(self.dmas) and self._why(self.next) is None:
             tr = self.tr[self.next]
             self.slot_busy[tr.slot] = tr
             self.hbm.start(tr, now)
