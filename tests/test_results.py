@@ -31,7 +31,10 @@ def test_newest_record_of_each_measurement_is_current(tmp_path):
     assert [r["kind"] for _, r in results.headline(recs)] == ["bench"] * 3     # detail kinds: not the README's
     _rec(tmp_path / "d2/sweep.json", "bench", {"config": "k3-chip", "experts": "bf16", "prefetch_depth": "4,16"},
          "2026-12-06T12:00:00", "depths")
-    assert "depths" not in [r["summary"] for _, r in results.headline(results.find_records(tmp_path))]   # a tuning run
+    _rec(tmp_path / "d2/tile.json", "bench", {"config": "k3-chip", "experts": "mxfp4", "tile": "512x256"},
+         "2026-12-06T12:00:00", "a tile by hand")
+    shown = [r["summary"] for _, r in results.headline(results.find_records(tmp_path))]
+    assert "depths" not in shown and "a tile by hand" not in shown                              # tuning runs
     listed = subprocess.run([sys.executable, "-m", "mk", "results", "--root", str(tmp_path)], capture_output=True,
                             text=True, check=True).stdout
     assert listed.index("| bench k3-chip bf16 | new") < listed.index("Detail records") < listed.index("| llo chip=v5e | bundles")

@@ -61,7 +61,7 @@ def run(args) -> int:
     detail = [pr for pr in records if pr not in shown]
     print(table)
     if detail:
-        print("\nDetail records (LLO counts, phase traces, cases read from the log of a stopped call, prefetch-depth "
-              "sweeps; not in the README):\n")
+        print("\nDetail records (LLO counts, phase traces, cases read from the log of a stopped call, tuning runs: "
+              "a prefetch depth, tile or MXFP4 unpack set by hand; not in the README):\n")
         print(results.results_table(detail))
     return 0
