@@ -11,8 +11,9 @@
 #       k3-d48 at B = 2, 4: the peer with bf16 experts (XLA and the peer's B = 2 ran on 2026-12-07),
 #       then MXFP4 kernel / int4 peer (~9 min)
 #   ... run-depth-next.sh check
-#       the verify step on the chip under the chip policy, mini, one and 2 sequences x (1 + 3) rows
-#       (failed on 2026-12-07b on one token; see docs/tpu.md) (~3 min)
+#       the kernel with its write backs in flight (2026-12-07c) checked on the chip: mini B = 8 steps,
+#       then the verify step under the chip policy with its routing near-tie rule, one and 2 sequences
+#       x (1 + 3) rows (its flip of 2026-12-07b/c was a routing near tie; see docs/tpu.md) (~5 min)
 #   ... run-depth-next.sh trace
 #       the verify check at one sequence (kernel logits kept), then the region trace on the default ring
 #       of 2026-12-07b: k3-d48 bf16 B = 1 and k3-chip bf16 B = 1, 8 (~8 min)
@@ -34,6 +35,7 @@ case "${1:?which part: retime, mxfp4race, middle, check, trace or inflight}" in
      step bench-k3-d48-bf16-peer-b4 200 python3 -m mk bench --config k3-d48 --experts bf16 --impl peer --batch 4 --steps 6 --json
      step bench-k3-d48-mxfp4-peer-b24 330 python3 -m mk bench --config k3-d48 --experts mxfp4 --impl kernel,peer --batch 2,4 --steps 6 --json ;;
   check) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
+     step check-mini-mxfp4-b8 120 python3 -m mk check --config mini --batch 8 --steps 4 --json
      step check-mini-verify-b1 120 python3 -m mk check --config mini --speculative 3 --json
      step check-mini-verify-b2 150 python3 -m mk check --config mini --batch 2 --speculative 3 --json ;;
   trace) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
