@@ -61,8 +61,10 @@ DMA_INFLIGHT = 4
 # The stream: (chunk bytes, copies in flight), each timed over 64 MiB against 1 GiB of copies, a
 # difference of about 1.2 ms at the v5e's rate (the timer's noise is some microseconds). The fastest
 # is `dma_stream_bw`, the bandwidth every "of stream" figure divides by.
-STREAM_POINTS = ((256 << 10, 32), (512 << 10, 8), (512 << 10, 16), (512 << 10, 32), (1 << 20, 8), (1 << 20, 16),
-                 (2 << 20, 8), (4 << 20, 2), (4 << 20, 4), (8 << 20, 4), (16 << 20, 2))
+# (chunk bytes, copies in flight): the kernel's own rings (128 KiB x 64: the depth family's 256 x 256
+# bf16 tiles; 512 KiB x 16: k3-chip's 512 x 512), then larger chunks
+STREAM_POINTS = ((128 << 10, 64), (256 << 10, 32), (512 << 10, 8), (512 << 10, 16), (512 << 10, 32), (1 << 20, 8),
+                 (1 << 20, 16), (2 << 20, 8), (4 << 20, 2), (4 << 20, 4), (8 << 20, 4), (16 << 20, 2))
 STREAM_BYTES = (64 << 20, 1 << 30)
 VEC_ROWS, VEC_COLS, FMAS = 64, 1024, 16   # 256 KiB of f32: the vector registers' worth
 BW_ROWS = 2048                            # 8 MiB of f32: streamed through VMEM
@@ -365,6 +367,11 @@ def line_fit(sizes, seconds) -> tuple[float, float]:
     return float(intercept), float(1.0 / slope)
 
 
+def _size(nbytes: int) -> str:
+    """'128 KiB', '4 MiB': a chunk's size as the stream sweep names it."""
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
 def stream_rates(trials: int = 5, progress=None) -> dict:
     """The HBM -> VMEM stream alone, timed on this TPU: {"CHUNKxINFLIGHT": {"chunk_bytes", "inflight",
     "s_per_copy", "stream_bw"}} for each of STREAM_POINTS (copies of STREAM_BYTES[0] against [1])."""
@@ -372,11 +379,11 @@ def stream_rates(trials: int = 5, progress=None) -> dict:
     out = {}
     src = jnp.zeros((STREAM_BYTES[1] // 512, 128), jnp.float32)       # 1 GiB, viewed as chunks below
     for chunk, inflight in STREAM_POINTS:
-        step(f"stream {chunk >> 20} MiB x{inflight}")
+        step(f"stream {_size(chunk)} x{inflight}")
         n1, n2 = (b // chunk for b in STREAM_BYTES)
         chunks = src.reshape(n2, chunk // 512, 128)
         t = per_repeat(lambda c, chunk=chunk, inflight=inflight: dma_call(chunk, c, inflight), (chunks,), n1, n2, trials)
-        out[f"{chunk >> 20}MiBx{inflight}"] = {"chunk_bytes": chunk, "inflight": inflight, "s_per_copy": t,
+        out[f"{_size(chunk).replace(' ', '')}x{inflight}"] = {"chunk_bytes": chunk, "inflight": inflight, "s_per_copy": t,
                                                "stream_bw": chunk / t if t > 0 else None}
     return out
 
