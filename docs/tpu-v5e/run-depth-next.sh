@@ -17,12 +17,16 @@
 #   ... run-depth-next.sh trace
 #       the verify check at one sequence (kernel logits kept), then the region trace on the default ring
 #       of 2026-12-07b: k3-d48 bf16 B = 1 and k3-chip bf16 B = 1, 8 (~8 min)
+#   ... run-depth-next.sh stream
+#       mk microbench (not written to data/): the stream sweep with the kernel's own rings, 128 KiB x 64
+#       (the depth family's 256 x 256 tiles) and 512 KiB x 16 (k3-chip's): does the tile size bound 48
+#       layers' share of the stream? (~3 min)
 #   ... run-depth-next.sh inflight
 #       the kernel with its write backs in flight past the layer and MLA's first block fetched early:
 #       k3-d48 and k3-chip, bf16 B = 1, 8 and MXFP4 B = 1, 8 (k3-chip MXFP4 also B = 2, 4) (~9 min)
 # Carry .whl-tpu (make tpu-wheels && make peer-wheels PEER_WHEELS=.whl-tpu).
 set -u
-case "${1:?which part: retime, mxfp4race, middle, check, trace or inflight}" in
+case "${1:?which part: retime, mxfp4race, middle, check, trace, stream or inflight}" in
   retime) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
      for c in k3-chip k3-d12 k3-d24 k3-d48; do
        step bench-$c-bf16-kernel-b24 110 python3 -m mk bench --config $c --experts bf16 --impl kernel --batch 2,4 --steps 8 --json
@@ -42,6 +46,8 @@ case "${1:?which part: retime, mxfp4race, middle, check, trace or inflight}" in
      step check-mini-verify-b1 150 python3 -m mk check --config mini --speculative 3 --json
      step phase-k3-d48 200 python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 1 --experts bf16 --out "$OUT"
      step phase-k3-chip 170 python3 docs/tpu-v5e/phase_trace.py --config k3-chip --batch 8,1 --experts bf16 --out "$OUT" ;;
+  stream) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
+     step microbench 240 python3 -m mk microbench --json ;;
   inflight) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
      step bench-k3-d48-bf16-kernel 150 python3 -m mk bench --config k3-d48 --experts bf16 --impl kernel --batch 1,8 --steps 8 --json
      step bench-k3-chip-bf16-kernel 100 python3 -m mk bench --config k3-chip --experts bf16 --impl kernel --batch 1,8 --steps 8 --json
