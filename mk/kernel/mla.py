@@ -14,6 +14,7 @@ them (up to `INFLIGHT_BYTES` of weights): row 0's first block is fetched before 
 it then lands under, and the last row's write back is left in flight on its own semaphores
 (`cache_sems[2]`), waited by the next MLA layer before it fetches, or by the step's end
 (`wait_write_back`).
+
 Heads go G at a time (`Plan.attention_heads`, 8 on K3): one loop step forms G heads' scores in one
 batched product and updates their softmax state together (on the v5e at B = 8, 2048 attended
 tokens cost 2.48 ms over 1 token with one head per step, 0.61 ms with 8, of which the cache
