@@ -20,7 +20,7 @@
 #   ... run-depth-next.sh stream
 #       mk microbench (not written to data/): the stream sweep with the kernel's own rings, 128 KiB x 64
 #       (the depth family's 256 x 256 tiles) and 512 KiB x 16 (k3-chip's): does the tile size bound 48
-#       layers' share of the stream? (~3 min)
+#       layers' share of the stream? Then k3-chip's region trace at B = 1 (cut at 170 s on 2026-12-07c) (~8 min)
 #   ... run-depth-next.sh inflight
 #       the kernel with its write backs in flight past the layer and MLA's first block fetched early:
 #       k3-d48 and k3-chip, bf16 B = 1, 8 and MXFP4 B = 1, 8 (k3-chip MXFP4 also B = 2, 4) (~9 min)
@@ -47,7 +47,8 @@ case "${1:?which part: retime, mxfp4race, middle, check, trace, stream or inflig
      step phase-k3-d48 200 python3 docs/tpu-v5e/phase_trace.py --config k3-d48 --batch 1 --experts bf16 --out "$OUT"
      step phase-k3-chip 170 python3 docs/tpu-v5e/phase_trace.py --config k3-chip --batch 8,1 --experts bf16 --out "$OUT" ;;
   stream) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
-     step microbench 240 python3 -m mk microbench --json ;;
+     step microbench 240 python3 -m mk microbench --json
+     step phase-k3-chip 240 python3 docs/tpu-v5e/phase_trace.py --config k3-chip --batch 1 --experts bf16 --out "$OUT" ;;
   inflight) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
      step bench-k3-d48-bf16-kernel 150 python3 -m mk bench --config k3-d48 --experts bf16 --impl kernel --batch 1,8 --steps 8 --json
      step bench-k3-chip-bf16-kernel 100 python3 -m mk bench --config k3-chip --experts bf16 --impl kernel --batch 1,8 --steps 8 --json
