@@ -1,6 +1,8 @@
 """`mk.kernel.check.check_on_chip`, the policy `mk check` applies on a TPU, exercised on CPU: the kernel
 (interpret mode) and XLA both against the oracle, resynchronised every step. Here all three are
 bit-exact, so a correct kernel passes with factor 0 and a planted bug fails."""
+import contextlib
+
 import pytest
 
 from mk.kernel import check as mc
@@ -15,10 +17,8 @@ def _run(fault: bool, steps: int):
     cfg = get_config("mini")
     params = params_mod.init(cfg, 0)
     kw = dict(ctx=256, interpret=interpret_params(False), experts="bf16")
-    if fault:
-        with negated_combine():
-            return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, steps)
-    return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, steps)
+    with negated_combine() if fault else contextlib.nullcontext():
+        return mc.check_on_chip(cfg, make_step_fn(params, cfg, 2, **kw), params, 2, steps)
 
 
 @pytest.mark.slow

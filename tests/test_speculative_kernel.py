@@ -168,7 +168,7 @@ def test_chip_policy_compares_each_token_with_the_teacher_forced_oracle(params):
     tied = margins.copy()
     tied[4, 2] = 0.001
     assert {"sequence": 1, "position": 4, "moe_layer": 3, "route_margin": float(np.float32(0.001))} in \
-        route_near_ties(tied, 1)
+        route_near_ties(tied, "position", sequence=1)
     far = {"ref_margin": 0.5, "near_tie_below": 0.05}
     assert far_from_tie([far]) == [far]
     assert far_from_tie([at := far | {"route_margin": ROUTE_NEAR_TIE}]) == [at]

@@ -18,9 +18,7 @@ import argparse
 import datetime
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,19 +28,15 @@ STREAM_BW = 795e9               # the stream every "of stream" figure divides by
 
 
 def tile_loops(text: str) -> list[dict]:
-    """Every innermost loop of a final_bundles text that pushes MXU weights: bundles, pushes, DMA ops."""
+    """Every loop of a final_bundles text that pushes MXU weights: bundles, pushes, matmuls, DMA ops."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from llo_unpack import _ops
-    lines = [l for l in text.splitlines() if re.match(r"\s*0x[0-9a-f]+|\s*\d+\s", l)]
+    from llo_unpack import loop_bodies
     loops = []
-    for s in (k for k, l in enumerate(lines) if " LB:" in l):
-        e = next((k for k in range(s, len(lines)) if "sbr.rel" in lines[k]), None)
-        if e is None:
-            continue
-        ops = [op for l in lines[s:e + 1] for op in _ops(l)]
+    for body in loop_bodies(text):
+        ops = [op for b in body for op in b]
         pushes = sum(op.startswith("vmatpush") for op in ops)
         if pushes:
-            loops.append({"bundles": e - s + 1, "mxu_pushes": pushes,
+            loops.append({"bundles": len(body), "mxu_pushes": pushes,
                           "matmuls": sum(op.startswith("vmatmul") for op in ops),
                           "dma_ops": sum("dma" in op for op in ops)})
     return loops

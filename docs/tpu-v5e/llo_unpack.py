@@ -193,13 +193,19 @@ def _ops(bundle: str) -> list[str]:
     return ops
 
 
-def loop_body(text: str) -> list[list[str]]:
-    """final_bundles text -> the innermost loop's bundles (from the 'LB:' bundle to the backward
-    branch `sbr.rel`, delay slots excluded), each as its list of opcodes."""
+def loop_bodies(text: str):
+    """final_bundles text -> each loop's bundles (from an 'LB:' bundle to the next backward branch
+    `sbr.rel`, delay slots excluded), each bundle as its list of opcodes, in program order."""
     lines = [l for l in text.splitlines() if re.match(r"\s*0x[0-9a-f]+|\s*\d+\s", l)]
-    start = next(i for i, l in enumerate(lines) if " LB:" in l)
-    end = next(i for i in range(start, len(lines)) if "sbr.rel" in lines[i])
-    return [_ops(l) for l in lines[start:end + 1]]
+    for start in (i for i, l in enumerate(lines) if " LB:" in l):
+        end = next((i for i in range(start, len(lines)) if "sbr.rel" in lines[i]), None)
+        if end is not None:
+            yield [_ops(l) for l in lines[start:end + 1]]
+
+
+def loop_body(text: str) -> list[list[str]]:
+    """final_bundles text -> the first loop's bundles (`loop_bodies`): a one-loop kernel's tile."""
+    return next(loop_bodies(text))
 
 
 def count(bundles: list[list[str]]) -> dict:

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import numpy as np
-    from mk.kernel.check import ROUTE_NEAR_TIE, forced_logits
+    from mk.kernel.check import ROUTE_NEAR_TIE, forced_logits, speculative_prompt
     from mk.kernel.plan import make_plan
     from mk.kernel.step import expert_k_chunk
     from mk.model import params as params_mod
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     cfg, batch, seed = get_config(rec["config"]), rec["batch"], rec.get("seed", 0)
     prompt_len = rec.get("prompt_len", rec["positions"][0])
     params = params_mod.init(cfg, seed)
-    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
+    prompt = speculative_prompt(cfg, batch, prompt_len, seed)
     kc = expert_k_chunk(make_plan(cfg, batch * (1 + rec["k"]), ctx=256, check=False))
     if "tokens" in rec:
         emitted, upto = np.asarray(rec["tokens"], np.int32), None

@@ -407,10 +407,9 @@ def check_on_chip(cfg: K3Config, step_fn, params: dict, batch: int, steps: int, 
         o_logits, o_next, margins = timed("oracle", ref, o_params, o_cache, jax.device_put(tok, cpu), route_margins=True)
         o_logits, margins = np.asarray(o_logits), np.asarray(margins)
         k_logits, x_logits = np.asarray(k_logits), np.asarray(x_logits)
-        tie_rows = sorted(set(np.flatnonzero((margins < ROUTE_NEAR_TIE).any(axis=-1)).tolist()))
-        for r in tie_rows:
-            l = int(np.argmin(margins[r]))
-            near.append({"step": s, "row": r, "moe_layer": l + 1, "route_margin": float(margins[r, l])})
+        ties = route_near_ties(margins, "row", step=s)
+        near += ties
+        tie_rows = [t["row"] for t in ties]
         rows = np.array([r for r in range(batch) if r not in tie_rows], dtype=np.int64)
         step_err = {}
         for name, k, x, o in [("logits", k_logits, x_logits, o_logits)] + [
@@ -475,15 +474,20 @@ def forced_logits(cfg: K3Config, params: dict, prompt: np.ndarray, tokens: np.nd
     return (np.stack(out), np.stack(margins)) if route_margins else np.stack(out)
 
 
-def route_near_ties(margins: np.ndarray, sequence: int) -> list[dict]:
-    """Positions whose oracle routing margin (`forced_logits(route_margins=True)`, [n, n_moe]) is below
-    ROUTE_NEAR_TIE in some MoE layer: {"sequence", "position", "moe_layer", "route_margin"} (the
-    smallest), as `check_on_chip` reports its rows."""
+def route_near_ties(margins: np.ndarray, index: str, **where) -> list[dict]:
+    """The rows of `margins` [n, n_moe] (the oracle's routing margin in every MoE layer: a step's rows,
+    or a sequence's positions) whose margin is below ROUTE_NEAR_TIE in some MoE layer, ascending:
+    {**where, index: the row, "moe_layer", "route_margin"} (the smallest)."""
     out = []
     for i in np.flatnonzero((margins < ROUTE_NEAR_TIE).any(axis=-1)):
         l = int(np.argmin(margins[i]))
-        out.append({"sequence": sequence, "position": int(i), "moe_layer": l + 1, "route_margin": float(margins[i, l])})
+        out.append({**where, index: int(i), "moe_layer": l + 1, "route_margin": float(margins[i, l])})
     return out
+
+
+def speculative_prompt(cfg: K3Config, batch: int, prompt_len: int, seed: int) -> np.ndarray:
+    """The random prompts [batch, prompt_len] int32 `check_speculative` decodes from."""
+    return np.random.default_rng(seed).integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
 
 
 def emitted_logit_err(kernel: np.ndarray, oracle: np.ndarray) -> np.ndarray:
@@ -555,7 +559,7 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
     chip = on_tpu()
     policy = policy or ("chip" if chip else "exact")
     params = params_mod.init(cfg, seed)
-    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
+    prompt = speculative_prompt(cfg, batch, prompt_len, seed)
     t0 = time.perf_counter()
     interp = None if chip else interpret_params(detect_races)
     verifier = KernelVerifier(params, cfg, batch, k, ctx=ctx, interpret=interp, mesh=mesh)
@@ -605,7 +609,7 @@ def check_speculative(cfg: K3Config, k: int = 3, new_tokens: int = 64, *, batch:
             o_logits, margins = forced(device=cpu, route_margins=True)
             x_err = np.abs(forced(device=jax.devices()[0]) - o_logits).max(-1)
             k_err = emitted_logit_err(res["emitted_logits"][b], o_logits)
-            ties = route_near_ties(margins, b)   # one rounding there may route another expert: not compared
+            ties = route_near_ties(margins, "position", sequence=b)   # another expert a rounding away: not compared
             near += ties
             keep = np.ones(len(x_err), bool)
             keep[[t["position"] for t in ties]] = False

@@ -274,9 +274,9 @@ def megakernel(plan, distinct_experts: list[float]):
                     block = H * CACHE_WRITE_ROWS * (c.k_cache_dim + D) * 2
                     for row in range(B):
                         lead = len(b.phases) - am - 1 if row == 0 else 2 if row % plan.seq_rows == 0 else 0
-                        last = dict(writeback_bytes=block) if row == B - 1 else {}
+                        last = row == B - 1
                         vector(l, "mla_attention", 2 * H * plan.ctx * (c.qk_head_dim + D) + 5 * H * plan.ctx,
-                               2 * cache, hbm_bytes=cache, hbm_lead=lead, **last)
+                               2 * cache, hbm_bytes=cache, hbm_lead=lead, writeback_bytes=block if last else 0)
                         if not last:
                             vector(l, "mla_cache_write", 0, 0, hbm_bytes=block)
                 else:       # mk's kernel starts the state read at KDA entry, before the projections

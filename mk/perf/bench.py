@@ -212,6 +212,14 @@ def _series(values, fmt: str = ".2f") -> str:
 UNIFORM_NOTE = " (bytes of uniform routing's expected experts: no XLA step counted the routed ones)"
 
 
+def _clock(by_batch: dict) -> tuple[str, str]:
+    """("device", "device_median_ms") where every row of `by_batch` has a device time, else ("wall",
+    "median_ms")."""
+    if all(r.get("device_median_ms") for r in by_batch.values()):
+        return "device", "device_median_ms"
+    return "wall", "median_ms"
+
+
 def summary(rows: list[dict]) -> str:
     """One line of a bench's figures (rows after `add_ratios`), for its record: the kernel's device
     (else wall) ms per batch, its fraction of the stream, and its device and wall speedups over the
@@ -224,23 +232,22 @@ def summary(rows: list[dict]) -> str:
     batches = sorted({r["batch"] for r in rows})
     kern = {r["batch"]: r for r in rows if r["impl"] == "kernel" and not r.get("error")}
     if not kern:                                 # the rivals alone: each one's times
-        timed = [i for i in dict.fromkeys(r["impl"] for r in rows) if any(
-            r["impl"] == i and r.get("median_ms") and not r.get("error") for r in rows)]
+        ok: dict[str, dict] = {}
+        for r in rows:
+            if not r.get("error"):
+                ok.setdefault(r["impl"], {})[r["batch"]] = r
+        timed = {i: by for i, by in ok.items() if any(r.get("median_ms") for r in by.values())}
         errors = "; ".join(sorted({r["error"] for r in rows if r.get("error")}))[:200]
         if not timed:
             return "not run: " + errors
-        parts = []
-        for i in timed:
-            by = {r["batch"]: r for r in rows if r["impl"] == i and not r.get("error")}
-            device = all(by[b].get("device_median_ms") for b in by)
-            times = [by.get(b, {}).get("device_median_ms" if device else "median_ms") for b in batches]
-            parts.append(f"{i} {'device' if device else 'wall'} {_series(times)} ms")
+        parts = [f"{i} {clock} {_series([by.get(b, {}).get(key) for b in batches])} ms"
+                 for i, by in timed.items() for clock, key in [_clock(by)]]
         return (f"{'; '.join(parts)} at B = {' / '.join(map(str, batches))} (kernel not run)"
                 + (f"; not run: {errors}" if errors else ""))
-    device = all(kern[b].get("device_median_ms") for b in kern)
-    key, frac = ("device_median_ms", "device_frac_stream") if device else ("median_ms", "frac_stream")
+    clock, key = _clock(kern)
+    frac = "device_frac_stream" if clock == "device" else "frac_stream"
     col = lambda name: [kern.get(b, {}).get(name) for b in batches]
-    out = (f"kernel {'device' if device else 'wall'} {_series(col(key))} ms at B = {' / '.join(map(str, batches))}; "
+    out = (f"kernel {clock} {_series(col(key))} ms at B = {' / '.join(map(str, batches))}; "
            f"{_series(col(frac))} of stream")
     if any(r.get("distinct_source", "").startswith("expected") for r in kern.values()):
         out += UNIFORM_NOTE

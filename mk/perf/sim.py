@@ -280,10 +280,13 @@ class _Issuer:
         if why is None:
             return None
         rule, x = why
-        return {"window": lambda: f"outside the prefetch window (anchor {x} + depth {self.depth})",
-                "slot": lambda: f"slot {self.dmas[i].slot} held by {x.label}",
-                "after": lambda: f"issue_after phase {x} has not ended",
-                "kernel": lambda: "its kernel has not started"}[rule]()
+        if rule == "window":
+            return f"outside the prefetch window (anchor {x} + depth {self.depth})"
+        if rule == "slot":
+            return f"slot {self.dmas[i].slot} held by {x.label}"
+        if rule == "after":
+            return f"issue_after phase {x} has not ended"
+        return "its kernel has not started"
 
     def issue(self, now: float) -> bool:
         changed = False
