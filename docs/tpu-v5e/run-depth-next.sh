@@ -24,9 +24,19 @@
 #   ... run-depth-next.sh inflight
 #       the kernel with its write backs in flight past the layer and MLA's first block fetched early:
 #       k3-d48 and k3-chip, bf16 B = 1, 8 and MXFP4 B = 1, 8 (k3-chip MXFP4 also B = 2, 4) (~9 min)
+#   ... run-depth-next.sh fillA
+#       the kernel with its write backs in flight checked on the chip (mini B = 8 steps, the verify step under
+#       the routing near-tie rule), the stream sweep alone (stream_sweep.py), then k3-chip bf16 at B = 2, 4:
+#       kernel, XLA and peer (~7 min)
+#   ... run-depth-next.sh fillB
+#       k3-d12 and k3-d24 bf16 at B = 2, 4: kernel, XLA and peer (~7 min)
+#   ... run-depth-next.sh fillC
+#       k3-d12 and k3-d24 MXFP4 at B = 2, 4: kernel and int4 peer; k3-chip's int4 peer at B = 2, 4 (~7 min)
+#   ... run-depth-next.sh fillD
+#       k3-d48 MXFP4 at B = 2, 4: kernel and int4 peer (~5 min)
 # Carry .whl-tpu (make tpu-wheels && make peer-wheels PEER_WHEELS=.whl-tpu).
 set -u
-case "${1:?which part: retime, mxfp4race, middle, check, trace, stream or inflight}" in
+case "${1:?which part: fillA..fillD, retime, mxfp4race, middle, check, trace, stream or inflight}" in
   retime) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
      for c in k3-chip k3-d12 k3-d24 k3-d48; do
        step bench-$c-bf16-kernel-b24 110 python3 -m mk bench --config $c --experts bf16 --impl kernel --batch 2,4 --steps 8 --json
@@ -54,6 +64,20 @@ case "${1:?which part: retime, mxfp4race, middle, check, trace, stream or inflig
      step bench-k3-chip-bf16-kernel 100 python3 -m mk bench --config k3-chip --experts bf16 --impl kernel --batch 1,8 --steps 8 --json
      step bench-k3-d48-mxfp4-kernel 150 python3 -m mk bench --config k3-d48 --experts mxfp4 --impl kernel --batch 1,8 --steps 8 --json
      step bench-k3-chip-mxfp4-kernel 130 python3 -m mk bench --config k3-chip --experts mxfp4 --impl kernel --batch 1,2,4,8 --steps 8 --json ;;
+  fillA) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
+     step check-mini-mxfp4-b8 110 python3 -m mk check --config mini --batch 8 --steps 4 --json
+     step check-mini-verify-b1 140 python3 -m mk check --config mini --speculative 3 --json
+     step stream-sweep 80 python3 docs/tpu-v5e/stream_sweep.py
+     step bench-k3-chip-bf16-b24 200 python3 -m mk bench --config k3-chip --experts bf16 --impl kernel,xla,peer --batch 2,4 --steps 8 --json ;;
+  fillB) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
+     step bench-k3-d12-bf16-b24 240 python3 -m mk bench --config k3-d12 --experts bf16 --impl kernel,xla,peer --batch 2,4 --steps 8 --json
+     step bench-k3-d24-bf16-b24 310 python3 -m mk bench --config k3-d24 --experts bf16 --impl kernel,xla,peer --batch 2,4 --steps 8 --json ;;
+  fillC) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
+     step bench-k3-d12-mxfp4-b24 180 python3 -m mk bench --config k3-d12 --experts mxfp4 --impl kernel,peer --batch 2,4 --steps 8 --json
+     step bench-k3-d24-mxfp4-b24 230 python3 -m mk bench --config k3-d24 --experts mxfp4 --impl kernel,peer --batch 2,4 --steps 8 --json
+     step bench-k3-chip-mxfp4-peer-b24 120 python3 -m mk bench --config k3-chip --experts mxfp4 --impl peer --batch 2,4 --steps 8 --json ;;
+  fillD) STEP_PAUSE=1 source docs/tpu-v5e/steps.sh
+     step bench-k3-d48-mxfp4-b24 340 python3 -m mk bench --config k3-d48 --experts mxfp4 --impl kernel,peer --batch 2,4 --steps 8 --json ;;
 esac
 for f in "$OUT"/*.out; do [ -s "$f" ] && mv "$f" "${f%.out}.json"; done
 true
