@@ -38,6 +38,11 @@ def test_newest_record_of_each_measurement_is_current(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "mk", "results", "--root", str(tmp_path)], capture_output=True,
                             text=True, check=True).stdout
     assert listed.index("| bench k3-chip bf16 | new") < listed.index("Detail records") < listed.index("| llo chip=v5e | bundles")
+    _rec(tmp_path / "d3/log.json", "bench_log", {"config": "k3-chip", "experts": "bf16"}, "2026-12-07T10:00:00", "logged")
+    _rec(tmp_path / "d3/rivals.json", "bench", {"config": "k3-chip", "experts": "bf16", "impl": "peer"},
+         "2026-12-07T11:00:00", "the peer alone")
+    shown = [r["summary"] for _, r in results.current(results.headline(results.find_records(tmp_path)))]
+    assert "logged" in shown and "new" not in shown and "the peer alone" not in shown   # a later log stands in
 
 
 def test_readme_block_written_and_checked(tmp_path):
@@ -77,36 +82,38 @@ def test_readme_results_block_is_current():
     assert block == results.results_table(results.headline(results.find_records(results.REPO / "docs")))
 
 
-def test_records_figure_draws_each_impl_of_a_race(tmp_path):
-    """The headline figure: one bar series per impl of the newest raced bench, tokens/s from device time."""
+def test_records_figure_draws_each_impl_against_depth(tmp_path):
+    """The headline figure: tokens/s from device time against depth, a panel per (format, batch), one line
+    per impl, each point the newest row of its case on the kernel's defaults, the kernel's edge as text."""
     from mk.notebooks.helpers import records_figure
+    kernel = lambda fig, b: next(t for t in fig.data if t.name == "mk megakernel" and t.xaxis == ("x" if b == 1 else "x2"))
     rows = [{"impl": i, "batch": b, "device_median_ms": ms} for i, b, ms in
-            (("kernel", 1, 5.0), ("xla", 1, 6.0), ("peer", 1, 8.0), ("reference", 1, 1.0), ("kernel", 8, 8.0))]
+            (("kernel", 1, 5.0), ("xla", 1, 6.0), ("peer", 1, 8.0), ("reference", 1, 1.0), ("kernel", 8, 8.0), ("xla", 8, 12.0))]
     _rec(tmp_path / "b.json", "bench", {"config": "k3-chip", "experts": "bf16"}, "2026-12-06T10:00:00", "s", rows=rows)
+    _rec(tmp_path / "d.json", "bench", {"config": "k3-d12", "experts": "bf16"}, "2026-12-06T11:00:00", "s", rows=rows[:2])
     _rec(tmp_path / "k.json", "bench", {"config": "k3-chip", "experts": "mxfp4"}, "2026-12-06T10:00:00", "s",
-         rows=rows[:1])                                         # the kernel alone: not drawn
+         rows=rows[:1])                                         # the kernel alone: no panel
     fig = records_figure(results.find_records(tmp_path))
-    assert [t.name for t in fig.data] == ["mk megakernel", "fair XLA step", "fair XLA step + vLLM TPU fused MoE (peer)"]
-    assert list(fig.data[0].y) == [200.0, 1000.0] and list(fig.data[2].y) == [125.0, None]
+    assert [a.text for a in fig.layout.annotations] == ["bf16 experts, B = 1", "bf16 experts, B = 8"]
+    assert [t.name for t in fig.data] == ["mk megakernel", "fair XLA step", "fair XLA step + vLLM TPU fused MoE (peer)",
+                                          "mk megakernel", "fair XLA step"]
+    assert list(kernel(fig, 1).x) == [3, 12] and list(kernel(fig, 1).y) == [200.0, 200.0]
+    assert list(kernel(fig, 1).text) == ["1.20x", "1.20x"] and list(kernel(fig, 8).text) == ["1.50x"]
     assert "device time" in fig.layout.title.text
     _rec(tmp_path / "t.json", "bench", {"config": "k3-chip", "experts": "bf16", "tile": "512x256"},
          "2026-12-07T10:00:00", "s", rows=[{"impl": "kernel", "batch": 8, "device_median_ms": 4.0}])
-    fig = records_figure(results.find_records(tmp_path))   # a later kernel-alone tile of a raced case: its own bar
-    assert fig.data[-1].name == "mk megakernel, 512 x 256 tiles (kernel alone, 2026-12-07)"
-    assert list(fig.data[-1].y) == [None, 2000.0] and list(fig.data[0].y) == [200.0, 1000.0]
-    _rec(tmp_path / "n.json", "bench", {"config": "k3-chip", "experts": "bf16", "impl": "kernel"},
-         "2026-12-08T10:00:00", "s", commit="c" * 40, rows=[{"impl": "kernel", "batch": 1, "device_median_ms": 4.0}])
-    fig = records_figure(results.find_records(tmp_path))   # a later kernel alone, default tile: a bar by its commit
-    assert [t.name for t in fig.data][-2:] == ["mk megakernel, 512 x 256 tiles (kernel alone, 2026-12-07)",
-                                               f"mk megakernel at {'c' * 7} (kernel alone, 2026-12-08)"]
-    assert list(fig.data[-1].y) == [250.0, None] and list(fig.data[0].y) == [200.0, 1000.0]
-    _rec(tmp_path / "d.json", "bench", {"config": "k3-chip", "experts": "bf16", "prefetch_depth": "4,16", "impl": "kernel"},
-         "2026-12-08T11:00:00", "s", commit="d" * 40, rows=[{"impl": "kernel", "batch": 1, "device_median_ms": ms,
-                                                              "prefetch_depth": d} for d, ms in ((4, 2.0), (16, 3.2))])
-    fig = records_figure(results.find_records(tmp_path))   # a later depth sweep: its row at today's default depth
-    names = [t.name for t in fig.data]                      # (16 at k3-chip bf16), the newest kernel alone of B = 1
-    assert names[-1] == f"mk megakernel at {'d' * 7}, today's default prefetch depth (kernel alone, 2026-12-08)"
-    assert list(fig.data[-1].y) == [312.5, None] and f"mk megakernel at {'c' * 7} (kernel alone, 2026-12-08)" not in names
-    _rec(tmp_path / "b2.json", "bench", {"config": "k3-chip", "experts": "bf16"}, "2026-12-09T10:00:00", "s", rows=rows)
-    fig = records_figure(results.find_records(tmp_path))   # a newer race: the older kernel-alone bars go
-    assert len(fig.data) == 3
+    fig = records_figure(results.find_records(tmp_path))   # a later run at another tile than the plan's: a tuning run
+    assert list(kernel(fig, 8).y) == [1000.0]
+    _rec(tmp_path / "t2.json", "bench", {"config": "k3-chip", "experts": "bf16", "tile": "512x512"},
+         "2026-12-07T11:00:00", "s", rows=[{"impl": "kernel", "batch": 8, "device_median_ms": 4.0}])
+    fig = records_figure(results.find_records(tmp_path))   # at the plan's own tile: the kernel's newest step
+    assert list(kernel(fig, 8).y) == [2000.0] and list(kernel(fig, 8).text) == ["3.00x"]
+    _rec(tmp_path / "s.json", "bench", {"config": "k3-chip", "experts": "bf16", "prefetch_depth": "4,16", "impl": "kernel"},
+         "2026-12-08T11:00:00", "s", rows=[{"impl": "kernel", "batch": 1, "device_median_ms": ms, "prefetch_depth": d}
+                                           for d, ms in ((4, 2.0), (16, 4.0))])
+    fig = records_figure(results.find_records(tmp_path))   # a depth sweep: its row at today's default depth (16)
+    assert list(kernel(fig, 1).y) == [250.0, 200.0]
+    _rec(tmp_path / "l.json", "bench_log", {"config": "k3-d12", "experts": "bf16"}, "2026-12-09T10:00:00", "s",
+         rows=[{"impl": "kernel", "batch": 1, "device_median_ms": 2.0}])
+    fig = records_figure(results.find_records(tmp_path))   # the cases a stopped call logged count too
+    assert list(kernel(fig, 1).y) == [250.0, 500.0] and list(kernel(fig, 1).text) == ["1.50x", "3.00x"]

@@ -432,75 +432,97 @@ def run_output_dir(name: str, fallback: str) -> str:
 # ---- the measured records as a figure (the README's headline, notebook 04) --------------------------
 IMPL_LABELS = {"kernel": "mk megakernel", "xla": "fair XLA step", "peer": "fair XLA step + vLLM TPU fused MoE (peer)",
                "xla-ragged": "fair XLA step (ragged_dot MoE)"}
-TILE_STYLES = (("#6baed6", "."), ("#08306b", "-"), ("#9ecae1", "+"), ("#4292c6", "/"))   # kernel-alone bars
-IMPL_STYLE = {"kernel": ("#1f77b4", ""), "xla": ("#ff7f0e", "/"), "peer": ("#2ca02c", "x"), "xla-ragged": ("#9467bd", ".")}
+IMPL_STYLE = {"kernel": ("#1f77b4", "circle"), "xla": ("#ff7f0e", "square"), "peer": ("#2ca02c", "diamond"),
+              "xla-ragged": ("#9467bd", "triangle-up")}
 
 
-def records_figure(records):
-    """Decode tokens/s from device time (the step program alone, from a profiler trace) of each impl,
-    at each (config, experts, batch) of the newest bench records that raced the kernel against a
-    rival: a grouped bar chart whose bars carry their values. The newest kernel-alone row of a raced
-    case no older than the race (`mk bench --impl kernel`: at another tile, its key names the tile; a
-    later kernel; of a `--prefetch-depth` sweep, the row at the depth the plan now takes by default)
-    adds a bar of its own, labelled with the tile or the commit. records: `mk.perf.results.find_records`."""
-    import plotly.graph_objects as go
+def default_tile_of(r) -> str | None:
+    """The tile ("512x512") the kernel now plans by default for a bench row's config and experts, or None
+    for a config that is no preset."""
+    from mk.kernel.plan import default_tile
+    try:
+        return "x".join(map(str, default_tile(get_config(r.get("config")), experts=r.get("experts") or "bf16")))
+    except Exception:
+        return None
 
-    rows = [r for r in record_rows(records, "bench") if r["impl"] != "reference" and r.get("device_median_ms")]
-    run = lambda r: (r["record"], r["date"], r.get("config"), r.get("experts"))      # one record's rows
-    impls = {}
-    for r in rows:
-        impls.setdefault(run(r), set()).add(r["impl"])
-    def order(r):                                         # bf16 first, then by depth, then batch
-        try:
-            layers = get_config(r.get("config")).layers
-        except Exception:                                 # a checkpoint's config: after the presets
-            layers = 1 << 20
-        return (r.get("experts") != "bf16", layers, str(r.get("config")), r["batch"])
-    peer_fmt = {run(r): r.get("peer_format") for r in rows if r["impl"] == "peer"}
-    groups, values, labels, case, raced = [], {}, dict(IMPL_LABELS), {}, {}
-    for r in sorted(rows, key=order):
-        if len(impls[run(r)]) < 2 or r.get("tile"):
-            continue                                      # the kernel alone: no comparison to draw
-        pf = peer_fmt.get(run(r))
-        g = (f"{r.get('config')} {r.get('experts')}" + (f" (peer {pf})" if pf and pf != r.get("experts") else "")
-             + f"<br>B = {r['batch']}")
-        groups.append(g) if g not in groups else None
-        case[r.get("config"), r.get("experts"), r["batch"]] = g
-        raced[g] = r["date"]
-        values.setdefault(r["impl"], {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
-    if not values:
-        raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
-    sweeps = {p.name for p, rec in records if "prefetch_depth" in (rec.get("key") or {})}   # mk bench --prefetch-depth
-    newest = {}                                           # kernel-alone rows: another tile, or a later kernel
-    for r in rows:
-        g = case.get((r.get("config"), r.get("experts"), r["batch"]))
-        if not (r["impl"] == "kernel" and g and impls[run(r)] == {"kernel"} and r["date"] >= raced[g]):
+
+def newest_cases(records) -> dict[tuple, dict]:
+    """{(config, experts, batch, impl): the newest bench row of that case on the kernel's defaults} over
+    the bench records and the cases read back from a stopped bench's log (`record_rows`). A tuning run
+    (a key with `mk.perf.results.TUNING_KEYS`) counts only where it ran what the plan now takes by
+    default (its tile, its `--prefetch-depth` sweep's row at today's depth); a hand-set unpack never.
+    Rows without a device time, with an error, or of the reference are left out."""
+    out = {}
+    for r in record_rows(records, "bench") + record_rows(records, "bench_log"):
+        if r["impl"] == "reference" or not r.get("device_median_ms") or r.get("error"):
             continue
-        if r["record"] in sweeps and r.get("prefetch_depth") != default_depth_of(r):
-            continue                                      # a sweep's depth other than today's default
-        if g not in newest or r["date"] >= newest[g]["date"]:
-            newest[g] = r
-    for g, r in newest.items():
-        if r.get("tile"):
-            name = f"kernel@{r['tile']}"
-            labels[name] = f"mk megakernel, {r['tile'].replace('x', ' x ')} tiles (kernel alone, {r['date']})"
-        elif r["record"] in sweeps:
-            name = f"kernel@{r['commit']}:default-depth"
-            labels[name] = f"mk megakernel at {r['commit']}, today's default prefetch depth (kernel alone, {r['date']})"
-        else:
-            name = f"kernel@{r['commit']}"
-            labels[name] = f"mk megakernel at {r['commit']} (kernel alone, {r['date']})"
-        values.setdefault(name, {})[g] = r["batch"] / (r["device_median_ms"] / 1e3)
-    fig = go.Figure()
-    extra = iter(TILE_STYLES)
-    for impl in [i for i in labels if i in values]:
-        color, pattern = IMPL_STYLE.get(impl) or next(extra, TILE_STYLES[-1])
-        ys = [values[impl].get(g) for g in groups]
-        fig.add_bar(name=labels[impl], x=groups, y=ys, marker_color=color, marker_pattern_shape=pattern,
-                    text=[f"{y:.0f}" if y else "" for y in ys], textposition="outside")
-    fig.update_layout(title="Decode tokens/s on one TPU v5e, from device time (the step program alone)",
-                      yaxis_title="tokens/s (batch / device time per step)", barmode="group",
-                      legend=dict(orientation="h", y=-0.25), margin=dict(t=60, b=120), width=1000, height=520)
+        key = set(r["record_key"].split(","))
+        if "mxfp4_unpack" in key or ("tile" in key and r.get("tile") != default_tile_of(r)):
+            continue
+        if "prefetch_depth" in key and r.get("prefetch_depth") != default_depth_of(r):
+            continue
+        case = (r.get("config"), r.get("experts"), r["batch"], r["impl"])
+        if case not in out or (r["recorded"], r["record"]) >= (out[case]["recorded"], out[case]["record"]):
+            out[case] = r
+    return out
+
+
+def records_figure(records, batches=None):
+    """Decode tokens/s from device time (the step program alone, from a profiler trace) against depth:
+    one panel per expert format and batch, one line per implementation, each point the newest bench
+    row of its case on the kernel's defaults (`newest_cases`), for the cases where the kernel and a
+    rival were measured; the kernel's points carry its edge over the better rival. batches: the
+    panels' batches (default: every batch measured). records: `mk.perf.results.find_records`."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    cases = newest_cases(records)
+    layers = {}
+    for config in {c[0] for c in cases}:
+        try:
+            layers[config] = get_config(config).layers
+        except Exception:                                 # a checkpoint's config: not on a depth axis
+            pass
+    times = {}                                            # (experts, batch) -> {impl: {layers: ms}}
+    for (config, experts, b, impl), r in cases.items():
+        if config in layers and (batches is None or b in batches):
+            times.setdefault((experts, b), {}).setdefault(impl, {})[layers[config]] = r["device_median_ms"]
+    raced = {}
+    for k, by in times.items():                           # depths where the kernel met a rival
+        depths = {d for i, v in by.items() if i != "kernel" for d in v} & set(by.get("kernel", {}))
+        if depths:
+            raced[k] = depths
+    if not raced:
+        raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
+    formats = sorted({e for e, _ in raced}, key=lambda e: e != "bf16")
+    bs = sorted({b for _, b in raced})
+    peer_fmt = {r.get("experts"): r.get("peer_format") for r in cases.values() if r["impl"] == "peer"}
+    title = lambda e, b: (f"{e} experts" + (f" (peer {peer_fmt[e]})" if peer_fmt.get(e) not in (None, e) else "")
+                          + f", B = {b}")
+    fig = make_subplots(rows=len(formats), cols=len(bs), shared_xaxes=True, horizontal_spacing=0.05,
+                        vertical_spacing=0.14, subplot_titles=[title(e, b) for e in formats for b in bs])
+    for i, e in enumerate(formats, 1):
+        for j, b in enumerate(bs, 1):
+            by, depths = times.get((e, b), {}), sorted(raced.get((e, b), ()))
+            for impl in [k for k in IMPL_LABELS if k in by]:
+                xs = [d for d in depths if d in by[impl]]
+                ms = [by[impl][d] for d in xs]
+                text = None
+                if impl == "kernel":                      # the edge over the better rival at that depth
+                    text = [f"{min(v[d] for k, v in by.items() if k != 'kernel' and d in v) / by['kernel'][d]:.2f}x"
+                            for d in xs]
+                color, symbol = IMPL_STYLE.get(impl, ("#7f7f7f", "x"))
+                fig.add_scatter(row=i, col=j, x=xs, y=[b / (t / 1e3) for t in ms], mode="lines+markers" + ("+text" if text else ""),
+                                name=IMPL_LABELS[impl], legendgroup=impl, showlegend=(i, j) == (1, 1) or impl not in
+                                {t.legendgroup for t in fig.data}, line=dict(color=color), marker=dict(symbol=symbol, size=8),
+                                text=text, textposition="top center", textfont=dict(size=10, color=color))
+    all_depths = sorted({d for v in raced.values() for d in v})
+    fig.update_xaxes(tickvals=all_depths, type="log", title_text="layers (about the same bytes per step)", row=len(formats))
+    fig.update_yaxes(title_text="tokens/s", col=1, rangemode="tozero")
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_layout(title="Decode tokens/s on one TPU v5e against depth, from device time (the step program alone); "
+                            "labels: mk's edge over the better rival", legend=dict(orientation="h", y=-0.18),
+                      margin=dict(t=90, b=110), width=1250, height=300 + 260 * len(formats))
     return fig
 
 
@@ -516,7 +538,8 @@ def default_depth_of(r) -> int | None:
 
 def record_rows(records, kind: str) -> list[dict]:
     """The rows of the newest records of one kind (`mk.perf.results.current`), each with its record's key
-    (config, experts, ...), date, commit (7 characters) and file added: one flat dict per measured case,
+    (config, experts, ...), date (and "recorded", its full time), commit (7 characters), file and key names
+    ("record_key") added: one flat dict per case,
     ready for a DataFrame. records: `mk.perf.results.find_records`."""
     import json
 
@@ -527,5 +550,6 @@ def record_rows(records, kind: str) -> list[dict]:
             continue
         for r in json.loads(path.read_text()).get("rows", []):
             out.append({**rec.get("key", {}), **r, "date": (rec.get("date") or "")[:10],
-                        "commit": (rec.get("commit") or "")[:7], "record": path.name})
+                        "commit": (rec.get("commit") or "")[:7], "record": path.name,
+                        "recorded": rec.get("date") or "", "record_key": ",".join(sorted(rec.get("key") or {}))})
     return out

@@ -132,9 +132,29 @@ TUNING_KEYS = ("prefetch_depth", "tile", "mxfp4_unpack")   # a kernel option set
 def headline(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
     """The records the README's block shows: every kind but `DETAIL_KINDS`, and no tuning run (a key
     with a kernel option set by hand, `TUNING_KEYS`: `mk bench --prefetch-depth A,B`, `--tile`,
-    `--mxfp4-unpack`; in docs/tpu.md), so the block holds what the kernel does on its defaults."""
+    `--mxfp4-unpack`; in docs/tpu.md), nor a bench of the rivals alone, so the block holds what the kernel
+    does on its defaults. The cases a stopped bench logged (`bench_log`) stand in for an older bench of
+    the same key."""
+    key = lambda r: (r.get("chip"), tuple(sorted((k, str(v)) for k, v in (r.get("key") or {}).items())))
+    logged = {}                                   # the newest log of a stopped bench, by its key
+    for _, r in records:
+        if r.get("kind") == "bench_log" and not _rivals_alone(r):
+            logged[key(r)] = max(logged.get(key(r), ""), r.get("date") or "")
+    benched = {}
+    for _, r in records:
+        if r.get("kind") == "bench":
+            benched[key(r)] = max(benched.get(key(r), ""), r.get("date") or "")
     return [(p, r) for p, r in records
-            if r.get("kind") not in DETAIL_KINDS and not set(TUNING_KEYS) & set(r.get("key") or {})]
+            if not set(TUNING_KEYS) & set(r.get("key") or {}) and not _rivals_alone(r) and (
+                (r.get("kind") not in DETAIL_KINDS and (r.get("date") or "") >= logged.get(key(r), ""))
+                or (r.get("kind") == "bench_log" and (r.get("date") or "") >= benched.get(key(r), "")))]
+
+
+def _rivals_alone(rec: dict) -> bool:
+    """A bench of the XLA step or the peer without the kernel (`--impl peer`): its times are in the races
+    the README's figure draws and in docs/tpu.md, not a row of the README's block."""
+    impl = (rec.get("key") or {}).get("impl")
+    return rec.get("kind") in ("bench", "bench_log") and impl is not None and "kernel" not in str(impl).split(",")
 
 
 def results_table(records: list[tuple[Path, dict]], root: str | os.PathLike = REPO) -> str:
