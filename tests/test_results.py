@@ -92,7 +92,7 @@ def test_records_figure_draws_each_impl_against_depth(tmp_path):
     _rec(tmp_path / "b.json", "bench", {"config": "k3-chip", "experts": "bf16"}, "2026-12-06T10:00:00", "s", rows=rows)
     _rec(tmp_path / "d.json", "bench", {"config": "k3-d12", "experts": "bf16"}, "2026-12-06T11:00:00", "s", rows=rows[:2])
     _rec(tmp_path / "k.json", "bench", {"config": "k3-chip", "experts": "mxfp4"}, "2026-12-06T10:00:00", "s",
-         rows=rows[:1])                                         # the kernel alone: no panel
+         rows=rows[:2])                                         # the kernel and the MXFP4 strawman: no panel
     fig = records_figure(results.find_records(tmp_path))
     assert [a.text for a in fig.layout.annotations] == ["bf16 experts, B = 1", "bf16 experts, B = 8"]
     assert [t.name for t in fig.data] == ["mk megakernel", "fair XLA step", "fair XLA step + vLLM TPU fused MoE (peer)",

@@ -471,9 +471,9 @@ def records_figure(records, batches=None):
     """Decode tokens/s from device time (the step program alone, from a profiler trace) against depth:
     one panel per expert format and batch, one line per implementation, each point the newest bench
     row of its case on the kernel's defaults (`newest_cases`), for the cases where the kernel and a
-    rival were measured; the kernel's points carry its edge over the better rival. batches: the
+    rival were measured (with MXFP4 experts the peer: the fair XLA step unpacks every packed expert each
+    step, a strawman); the kernel's points carry its edge over the better rival. batches: the
     panels' batches (default: every batch measured). records: `mk.perf.results.find_records`."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     cases = newest_cases(records)
@@ -485,6 +485,8 @@ def records_figure(records, batches=None):
             pass
     times = {}                                            # (experts, batch) -> {impl: {layers: ms}}
     for (config, experts, b, impl), r in cases.items():
+        if experts == "mxfp4" and impl.startswith("xla"):
+            continue                                      # it dequantizes every packed expert each step: no rival
         if config in layers and (batches is None or b in batches):
             times.setdefault((experts, b), {}).setdefault(impl, {})[layers[config]] = r["device_median_ms"]
     raced = {}
@@ -513,8 +515,8 @@ def records_figure(records, batches=None):
                             for d in xs]
                 color, symbol = IMPL_STYLE.get(impl, ("#7f7f7f", "x"))
                 fig.add_scatter(row=i, col=j, x=xs, y=[b / (t / 1e3) for t in ms], mode="lines+markers" + ("+text" if text else ""),
-                                name=IMPL_LABELS[impl], legendgroup=impl, showlegend=(i, j) == (1, 1) or impl not in
-                                {t.legendgroup for t in fig.data}, line=dict(color=color), marker=dict(symbol=symbol, size=8),
+                                name=IMPL_LABELS[impl], legendgroup=impl, showlegend=impl not in {t.legendgroup for t in fig.data},
+                                line=dict(color=color), marker=dict(symbol=symbol, size=8),
                                 text=text, textposition="top center", textfont=dict(size=10, color=color))
     all_depths = sorted({d for v in raced.values() for d in v})
     fig.update_xaxes(tickvals=all_depths, type="log", title_text="layers (about the same bytes per step)", row=len(formats))
@@ -538,9 +540,9 @@ def default_depth_of(r) -> int | None:
 
 def record_rows(records, kind: str) -> list[dict]:
     """The rows of the newest records of one kind (`mk.perf.results.current`), each with its record's key
-    (config, experts, ...), date (and "recorded", its full time), commit (7 characters), file and key names
-    ("record_key") added: one flat dict per case,
-    ready for a DataFrame. records: `mk.perf.results.find_records`."""
+    (config, experts, ...), date ("recorded": with the time), commit (7 characters), file ("record") and
+    key names ("record_key") added: one flat dict per measured case, ready for a DataFrame. records:
+    `mk.perf.results.find_records`."""
     import json
 
     from mk.perf.results import current
