@@ -109,12 +109,12 @@ def main(argv=None) -> int:
             res[case] = c
             print(f"unroll {case}: " + json.dumps({k: v for k, v in c.items() if k != "ops"}), file=sys.stderr)
     if a.json:
-        from mk.perf.results import provenance
+        from mk.perf.results import command_line, provenance
         per = ", ".join(f"{u} {c['bundles_per_head']}" for u, c in res.items() if "bundles_per_head" in c)
         record = provenance("llo", {"chip": "v5e", "phase": "kda_delta_rule", "heads": a.heads, "unroll": a.unroll},
                             f"KDA delta rule, bundles per head by unroll (deviceless v5e LLO, {a.heads} heads): {per}")
         record.update(chip="tpu-v5e", device_kind="deviceless compile (libtpu, v5e:2x2 topology) on a CPU host",
-                      command=" ".join(["python3 docs/tpu-v5e/llo_kda.py"] + list(sys.argv[1:] if argv is None else argv)))
+                      command=command_line("docs/tpu-v5e/llo_kda.py", argv))
         print(json.dumps({"record": record, "unroll": res}, indent=1))
     return 0
 

@@ -15,7 +15,6 @@ Bundle time is taken at the rate the chip ran mk's unpack loop (1.07 G bundles/s
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -55,11 +54,10 @@ def main(argv=None) -> int:
                                       f" --xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import jax
     from mk.kernel.aot import compile_kernel
     from mk.kernel.plan import make_plan
     from mk.model.config import get_config
-    from mk.perf.results import commit
+    from mk.perf.results import command_line, provenance
 
     plan = make_plan(get_config(a.config), a.batch, chip="v5e", experts=a.experts)
     r = compile_kernel(plan, "v5e:2x2")
@@ -75,19 +73,16 @@ def main(argv=None) -> int:
     full = [l for l in loops if l["mxu_pushes"] == common]
     med = statistics.median(l["bundles"] for l in full)
     core_us = med / BUNDLES_PER_S * 1e6
-    head, dirty = commit()
     summary = (f"{a.config} {a.experts} B={a.batch}, tile {plan.tile_k}x{plan.tile_n}: a bf16 tile's loop "
                f"{med:g} bundles (median of the {len(full)} ring matmul loops of {common} MXU pushes), {core_us:.3f} us at "
                f"{BUNDLES_PER_S / 1e9:.2f} G bundles/s against {stream_us:.3f} us of stream "
                f"({core_us / stream_us:.2f} of it; deviceless v5e LLO)")
+    record = provenance("llo", {"chip": "v5e", "config": a.config, "experts": a.experts, "batch": a.batch,
+                                "loops": "tile"}, summary)
+    record.update(chip="tpu-v5e", device_kind="deviceless compile (libtpu, v5e:2x2 topology) on a CPU host",
+                  command=command_line("docs/tpu-v5e/llo_tile_loops.py", argv))
     print(json.dumps({
-        "record": {"kind": "llo", "key": {"chip": "v5e", "config": a.config, "experts": a.experts, "batch": a.batch,
-                                          "loops": "tile"},
-                   "summary": summary, "commit": head, "dirty": dirty,
-                   "date": datetime.datetime.now().isoformat(timespec="seconds"), "chip": "tpu-v5e",
-                   "device_kind": "deviceless compile (libtpu, v5e:2x2 topology) on a CPU host",
-                   "backend": jax.default_backend(), "jax_version": jax.__version__,
-                   "command": "python3 docs/tpu-v5e/llo_tile_loops.py " + " ".join(argv or sys.argv[1:])},
+        "record": record,
         "tile": [plan.tile_k, plan.tile_n], "prefetch_depth": plan.prefetch_depth,
         "bundles_per_s": BUNDLES_PER_S, "stream_bw": STREAM_BW, "bf16_tile_bytes": bf16_tile,
         "median_full_tile_bundles": med, "core_us_per_tile": core_us, "stream_us_per_tile": stream_us,

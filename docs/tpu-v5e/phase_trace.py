@@ -99,7 +99,7 @@ def trace_batch(args, cfg, params, batch, plan_chip, hw_chip, flags, argv) -> di
     from mk.notebooks.helpers import chip_machine
     from mk.perf import sim
     from mk.perf.bench import _kernel_step
-    from mk.perf.results import provenance
+    from mk.perf.results import command_line, provenance
     from mk.perf.trace import device_event_list, kernel_phases, profile_data
     args = argparse.Namespace(**{**vars(args), "batch": batch})
     plan = make_plan(cfg, args.batch, chip=plan_chip, experts=args.experts, ctx=256)
@@ -149,7 +149,7 @@ def trace_batch(args, cfg, params, batch, plan_chip, hw_chip, flags, argv) -> di
                + ("; engines busy: " + ", ".join(f"{ln} {ms / step_ms:.0%}" for ln, ms in
                                                  sorted(busy.items(), key=lambda x: -x[1])[:4]) if busy else ""))
     record = provenance("phase_trace", {"config": args.config, "experts": args.experts, "batch": args.batch}, summary)
-    record["command"] = " ".join(["python3 docs/tpu-v5e/phase_trace.py"] + list(sys.argv[1:] if argv is None else argv))
+    record["command"] = command_line("docs/tpu-v5e/phase_trace.py", argv)
     out = {"record": record, "rows": rows, "instrumented_ms": ph["kernel_ms"],
            "modelled_step_ms": modelled.step_time * 1e3, "coverage": ph["coverage"], "line": ph["line"],
            "plane": ph["plane"], "engines_busy_ms": {ln: round(ms, 4) for ln, ms in busy.items()},

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         import jax
         from mk.model.config import get_config
         from mk.perf.prefill_bench import prefill_bench, prefill_summary
-        from mk.perf.results import provenance
+        from mk.perf.results import command_line, provenance
         cfg = get_config(args.config)
         lengths = int_list(args.lengths, "--lengths")
         token_lengths = int_list(args.token_lengths, "--token-lengths") if args.token_lengths else []
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
             "jax_version": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "reps": args.reps}
     record = provenance("prefill", {"config": args.config, "experts": args.experts}, prefill_summary(rows))
-    record["command"] = " ".join(["python3 docs/tpu-v5e/prefill_bench.py"] + list(sys.argv[1:] if argv is None else argv))
+    record["command"] = command_line("docs/tpu-v5e/prefill_bench.py", argv)
     json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

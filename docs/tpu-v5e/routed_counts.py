@@ -40,23 +40,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
 
     from mk.model import reference
     from mk.model.config import get_config
     from mk.model.params import init_fast
     from mk.perf import baseline
-    from mk.perf.bench import _distinct, time_steps
-    from mk.perf.results import provenance
+    from mk.perf.bench import CTX as ctx, _distinct, bench_tokens, time_steps
+    from mk.perf.results import command_line, provenance
 
     cfg = get_config(args.config)
     batches = [int(b) for b in args.batch.split(",")]
-    ctx = 256                                          # mk.perf.bench.measure's default
     t0 = time.perf_counter()
     params = jax.block_until_ready(init_fast(cfg, args.seed, args.experts))
     log(f"{args.config} weights ({args.experts} experts) in {time.perf_counter() - t0:.1f} s")
-    rng = np.random.default_rng(args.seed)             # as mk.perf.bench.measure draws them
-    tokens = {B: rng.integers(0, cfg.vocab, (args.warmup + args.steps, B)).astype(np.int32) for B in batches}
+    tokens = bench_tokens(cfg, batches, args.warmup + args.steps, args.seed)
     step = functools.partial(baseline.make_baseline_step(cfg, args.experts, "loop", routing=True), params)
     rows = []
     for B in batches:
@@ -81,7 +78,7 @@ def main(argv=None) -> int:
     summary = "; ".join(f"B={r['batch']}: {np.mean(r['distinct_experts']):.2f} distinct experts per MoE layer" for r in rows)
     record = provenance("routing", {"config": args.config, "experts": args.experts, "batch": args.batch},
                         summary + " (the fair XLA step on CPU)")
-    record["command"] = "python3 docs/tpu-v5e/routed_counts.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    record["command"] = command_line("docs/tpu-v5e/routed_counts.py", argv)
     meta = {"config": args.config, "experts": args.experts, "seed": args.seed, "steps": args.steps,
             "warmup": args.warmup, "device_kind": jax.devices()[0].device_kind, "date": record["date"],
             "backend": jax.default_backend()}

@@ -26,13 +26,13 @@ def main(argv=None) -> int:
         print(f"stream_sweep: times the stream on a TPU; this backend is {jax.default_backend()!r}", file=sys.stderr)
         return 2
     from mk.perf.microbench import stream_rates
-    from mk.perf.results import provenance
+    from mk.perf.results import command_line, provenance
     stream = stream_rates(args.trials, lambda what: print(f"stream_sweep: {what}", file=sys.stderr, flush=True))
     best = max(r["stream_bw"] or 0.0 for r in stream.values())
     relative = {k: (r["stream_bw"] or 0.0) / best for k, r in stream.items()}
     summary = ", ".join(f"{k} {r['stream_bw'] / 1e9:.0f} GB/s" for k, r in stream.items() if r["stream_bw"])
     record = provenance("stream_sweep", {}, summary)
-    record["command"] = "python3 docs/tpu-v5e/stream_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    record["command"] = command_line("docs/tpu-v5e/stream_sweep.py", argv)
     json.dump({"record": record, "stream": stream, "relative": relative}, sys.stdout, indent=2)
     print()
     return 0

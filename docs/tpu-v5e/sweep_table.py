@@ -4,9 +4,9 @@ counted with the experts the steps routed. Reads records only; prints to stdout.
 
     python3 docs/tpu-v5e/sweep_table.py [--root docs]
 
-Each case is the newest bench row on the kernel's defaults (`mk.notebooks.helpers.newest_cases`, what
-the README's figure draws). The rival is the better of the fair XLA step and the peer with bf16
-experts, the int4 peer with MXFP4 (the XLA step dequantizes every packed expert each step). "Of
+Each case is the newest bench row on the kernel's defaults (`mk.notebooks.helpers.newest_cases`), its
+rivals those of `mk.notebooks.helpers.races` (what the README's figure draws): the better of the fair
+XLA step and the peer with bf16 experts, the int4 peer with MXFP4. "Of
 stream" divides `mk.perf.bench.step_bytes` of the routed experts by the device time and the stream
 bandwidth of data/microbench.csv. The routed experts of a case come from a record that counted them at
 that preset and batch: a bench's XLA step (either format: the same seed draws the same router and
@@ -44,11 +44,11 @@ def main(argv=None) -> int:
     p.add_argument("--root", default=None, help="the records' folder (default: the repository's docs/)")
     args = p.parse_args(argv)
     from mk.model.config import DEPTH_PRESETS, get_config
-    from mk.notebooks.helpers import newest_cases
+    from mk.notebooks.helpers import edge, newest_cases, races
     from mk.perf.bench import bandwidths, step_bytes
     from mk.perf.results import REPO, find_records
     records = find_records(args.root or os.path.join(REPO, "docs"))
-    cases, counts = newest_cases(records), routed_counts(records)
+    cases, raced, counts = newest_cases(records), races(records), routed_counts(records)
     stream = bandwidths("tpu-v5e")["stream_bw"]
     print(f"kernel device ms / the better rival's (edge); of stream: routed bytes / time / {stream / 1e9:.0f} GB/s\n")
     print("| preset | experts | " + " | ".join(f"B = {b}" for b in BATCHES) + " |")
@@ -59,13 +59,11 @@ def main(argv=None) -> int:
             cells = []
             for b in BATCHES:
                 k = cases.get((config, experts, b, "kernel"))
-                rivals = [cases.get((config, experts, b, i)) for i in (("xla", "peer") if experts == "bf16" else ("peer",))]
-                rivals = [r["device_median_ms"] for r in rivals if r]
                 if not k:
                     cells.append("not run")
                     continue
-                ms = k["device_median_ms"]
-                cells.append(f"{ms:.2f} / {min(rivals):.2f} ({min(rivals) / ms:.2f}x)" if rivals else f"{ms:.2f} / -")
+                ms, race = k["device_median_ms"], raced.get((config, experts, b))
+                cells.append(f"{ms:.2f} / {edge(race) * ms:.2f} ({edge(race):.2f}x)" if race else f"{ms:.2f} / -")
                 got = counts.get((config, experts, b)) or counts.get((config, "bf16" if experts == "mxfp4" else "mxfp4", b))
                 if got:
                     nbytes = step_bytes(get_config(config), b, experts, got[0])["hbm_bytes"]

@@ -467,58 +467,67 @@ def newest_cases(records) -> dict[tuple, dict]:
     return out
 
 
+def races(records) -> dict[tuple, dict[str, dict]]:
+    """{(config, experts, batch): {impl: row}} of the cases where the kernel met a rival
+    (`mk.perf.bench.RIVALS`), each row the newest of its case (`newest_cases`). With MXFP4 experts the
+    fair XLA step is no rival (it unpacks every packed expert each step, a strawman): the peer is."""
+    from mk.perf.bench import RIVALS
+    by = {}
+    for (config, experts, b, impl), r in newest_cases(records).items():
+        if impl == "kernel" or (impl in RIVALS and not (experts == "mxfp4" and impl == "xla")):
+            by.setdefault((config, experts, b), {})[impl] = r
+    return {case: impls for case, impls in by.items() if "kernel" in impls and len(impls) > 1}
+
+
+def edge(impls: dict[str, dict]) -> float:
+    """The kernel's edge in one of `races`' cases: the better rival's device time over the kernel's."""
+    return (min(r["device_median_ms"] for i, r in impls.items() if i != "kernel")
+            / impls["kernel"]["device_median_ms"])
+
+
 def records_figure(records, batches=None):
     """Decode tokens/s from device time (the step program alone, from a profiler trace) against depth:
     one panel per expert format and batch, one line per implementation, each point the newest bench
-    row of its case on the kernel's defaults (`newest_cases`), for the cases where the kernel and a
-    rival were measured (with MXFP4 experts the peer: the fair XLA step unpacks every packed expert each
-    step, a strawman); the kernel's points carry its edge over the better rival. batches: the
-    panels' batches (default: every batch measured). records: `mk.perf.results.find_records`."""
+    row of its case on the kernel's defaults, for the cases where the kernel met a rival (`races`); the
+    kernel's points carry its edge over the better rival. batches: the panels' batches (default: every
+    batch measured). records: `mk.perf.results.find_records`."""
     from plotly.subplots import make_subplots
 
-    cases = newest_cases(records)
+    cases = races(records)
     layers = {}
     for config in {c[0] for c in cases}:
         try:
             layers[config] = get_config(config).layers
         except Exception:                                 # a checkpoint's config: not on a depth axis
             pass
-    times = {}                                            # (experts, batch) -> {impl: {layers: ms}}
-    for (config, experts, b, impl), r in cases.items():
-        if experts == "mxfp4" and impl.startswith("xla"):
-            continue                                      # it dequantizes every packed expert each step: no rival
+    times, edges = {}, {}                                 # (experts, batch) -> {impl: {layers: ms}}, {layers: edge}
+    for (config, experts, b), impls in cases.items():
         if config in layers and (batches is None or b in batches):
-            times.setdefault((experts, b), {}).setdefault(impl, {})[layers[config]] = r["device_median_ms"]
-    raced = {}
-    for k, by in times.items():                           # depths where the kernel met a rival
-        depths = {d for i, v in by.items() if i != "kernel" for d in v} & set(by.get("kernel", {}))
-        if depths:
-            raced[k] = depths
-    if not raced:
+            for impl, r in impls.items():
+                times.setdefault((experts, b), {}).setdefault(impl, {})[layers[config]] = r["device_median_ms"]
+            edges.setdefault((experts, b), {})[layers[config]] = edge(impls)
+    if not times:
         raise UserError("no bench record races the kernel against another step (mk bench --impl kernel,xla[,peer] --json)")
-    formats = sorted({e for e, _ in raced}, key=lambda e: e != "bf16")
-    bs = sorted({b for _, b in raced})
-    peer_fmt = {r.get("experts"): r.get("peer_format") for r in cases.values() if r["impl"] == "peer"}
+    formats = sorted({e for e, _ in edges}, key=lambda e: e != "bf16")
+    bs = sorted({b for _, b in edges})
+    peer_fmt = {e: impls["peer"].get("peer_format") for (_, e, _), impls in cases.items() if "peer" in impls}
     title = lambda e, b: (f"{e} experts" + (f" (peer {peer_fmt[e]})" if peer_fmt.get(e) not in (None, e) else "")
                           + f", B = {b}")
     fig = make_subplots(rows=len(formats), cols=len(bs), shared_xaxes=True, horizontal_spacing=0.05,
                         vertical_spacing=0.14, subplot_titles=[title(e, b) for e in formats for b in bs])
     for i, e in enumerate(formats, 1):
         for j, b in enumerate(bs, 1):
-            by, depths = times.get((e, b), {}), sorted(raced.get((e, b), ()))
+            by, depths = times.get((e, b), {}), sorted(edges.get((e, b), ()))
             for impl in [k for k in IMPL_LABELS if k in by]:
                 xs = [d for d in depths if d in by[impl]]
                 ms = [by[impl][d] for d in xs]
-                text = None
-                if impl == "kernel":                      # the edge over the better rival at that depth
-                    text = [f"{min(v[d] for k, v in by.items() if k != 'kernel' and d in v) / by['kernel'][d]:.2f}x"
-                            for d in xs]
+                text = [f"{edges[e, b][d]:.2f}x" for d in xs] if impl == "kernel" else None   # over the better rival
                 color, symbol = IMPL_STYLE.get(impl, ("#7f7f7f", "x"))
                 fig.add_scatter(row=i, col=j, x=xs, y=[b / (t / 1e3) for t in ms], mode="lines+markers" + ("+text" if text else ""),
                                 name=IMPL_LABELS[impl], legendgroup=impl, showlegend=impl not in {t.legendgroup for t in fig.data},
                                 line=dict(color=color), marker=dict(symbol=symbol, size=8),
                                 text=text, textposition="top center", textfont=dict(size=10, color=color))
-    all_depths = sorted({d for v in raced.values() for d in v})
+    all_depths = sorted({d for v in edges.values() for d in v})
     fig.update_xaxes(tickvals=all_depths, type="log", title_text="layers (about the same bytes per step)", row=len(formats))
     fig.update_yaxes(title_text="tokens/s", col=1, rangemode="tozero")
     fig.update_yaxes(rangemode="tozero")

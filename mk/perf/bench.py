@@ -327,9 +327,19 @@ def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str
 
 
 # ---- the measurement -------------------------------------------------------------------------------
+CTX = 256   # the cache positions a bench's steps run in (they attend its first block)
+
+
+def bench_tokens(cfg: K3Config, batches: Sequence[int], steps: int, seed: int = 0) -> dict[int, np.ndarray]:
+    """{B: the [steps, B] int32 tokens `measure` steps at batch B}, drawn from `seed` in the order of
+    `batches` (a case is reproduced only with the bench's own --batch list)."""
+    rng = np.random.default_rng(seed)
+    return {B: rng.integers(0, cfg.vocab, (steps, B)).astype(np.int32) for B in batches}
+
+
 def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16", steps: int = 20,
             warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | Sequence[int] | None = None,
-            params: dict | None = None, *, seed: int = 0, ctx: int = 256, progress: bool = True,
+            params: dict | None = None, *, seed: int = 0, ctx: int = CTX, progress: bool = True,
             microbench_csv=None, device_steps: int = 5, mxfp4_unpack: str = "auto",
             peer_format: str | None = None, tile: tuple[int, int] | None = None) -> list[dict]:
     """Time each impl at each batch on this TPU; returns rows (see `mk.cli.bench` for the fields).
@@ -393,8 +403,7 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
     t0 = time.perf_counter()
     params = params if params is not None else jax.block_until_ready(init_fast(cfg, seed, experts))
     log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
-    rng = np.random.default_rng(seed)
-    tokens = {B: rng.integers(0, cfg.vocab, (warmup + steps, B)).astype(np.int32) for B in batches}
+    tokens = bench_tokens(cfg, batches, warmup + steps, seed)
     distinct: dict[int, list] = {B: [] for B in batches}   # per timed step: distinct experts per layer
     results: dict[tuple, dict] = {}
     bar = tqdm(desc=f"bench {name} {experts}", total=len(batches) * (len(impls) + len(depths) - 1), leave=False,
@@ -687,7 +696,7 @@ def generate_row(step, cfg: K3Config, batch: int, tokens: np.ndarray, steps: int
 
 def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16",
                      impls: Sequence[str] = GENERATE_IMPLS, steps: int = 128, chunk: int = 16, *, seed: int = 0,
-                     ctx: int = 256, device_steps: int = 5, host_steps: int = 20, mxfp4_unpack: str = "auto",
+                     ctx: int = CTX, device_steps: int = 5, host_steps: int = 20, mxfp4_unpack: str = "auto",
                      params: dict | None = None) -> list[dict]:
     """Decode tokens/s of the device loop (`mk.model.loop`) for the kernel and the fair XLA step at
     each batch, beside the step's device rate and the host loop's; rows as `generate_row` plus impl,

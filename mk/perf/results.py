@@ -62,9 +62,10 @@ def commit() -> tuple[str | None, bool | None]:
     return None, None
 
 
-def command_line() -> str:
-    """The `python -m mk ...` command this process runs, as a record names it."""
-    return " ".join(["python -m mk"] + sys.argv[1:])
+def command_line(script: str | None = None, argv: list[str] | None = None) -> str:
+    """The command this process runs, as a record names it: `python -m mk ...`, or `python3 SCRIPT ...`
+    for a script (its path from the repository root); argv: its arguments (default sys.argv[1:])."""
+    return " ".join(["python -m mk" if script is None else f"python3 {script}"] + list(sys.argv[1:] if argv is None else argv))
 
 
 def provenance(kind: str, key: dict, summary: str = "") -> dict:
@@ -135,19 +136,15 @@ def headline(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
     `--mxfp4-unpack`; in docs/tpu.md), nor a bench of the rivals alone, so the block holds what the kernel
     does on its defaults. The cases a stopped bench logged (`bench_log`) stand in for an older bench of
     the same key."""
-    key = lambda r: (r.get("chip"), tuple(sorted((k, str(v)) for k, v in (r.get("key") or {}).items())))
-    logged = {}                                   # the newest log of a stopped bench, by its key
+    newest = {}                                   # measurement() of a bench or a stopped bench's log -> its newest date
     for _, r in records:
-        if r.get("kind") == "bench_log" and not _rivals_alone(r):
-            logged[key(r)] = max(logged.get(key(r), ""), r.get("date") or "")
-    benched = {}
-    for _, r in records:
-        if r.get("kind") == "bench":
-            benched[key(r)] = max(benched.get(key(r), ""), r.get("date") or "")
+        if r.get("kind") in ("bench", "bench_log"):
+            newest[measurement(r)] = max(newest.get(measurement(r), ""), r.get("date") or "")
+    other = lambda r, kind: newest.get((kind, *measurement(r)[1:]), "")   # the newest of the same key, of that kind
     return [(p, r) for p, r in records
             if not set(TUNING_KEYS) & set(r.get("key") or {}) and not _rivals_alone(r) and (
-                (r.get("kind") not in DETAIL_KINDS and (r.get("date") or "") >= logged.get(key(r), ""))
-                or (r.get("kind") == "bench_log" and (r.get("date") or "") >= benched.get(key(r), "")))]
+                (r.get("kind") not in DETAIL_KINDS and (r.get("date") or "") >= other(r, "bench_log"))
+                or (r.get("kind") == "bench_log" and (r.get("date") or "") >= other(r, "bench")))]
 
 
 def _rivals_alone(rec: dict) -> bool:
