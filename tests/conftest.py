@@ -10,14 +10,34 @@ if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import pytest  # noqa: E402
 
+
+def pytest_addoption(parser):
+    parser.addoption("--seeds", type=int, default=1, metavar="N",
+                     help="run the tests that take `seed` (tolerances under a stated error model) with params "
+                          "and prompts drawn from seeds 0..N-1 (default 1: seed 0); `make test-seeds` uses 10")
+
+
+def pytest_generate_tests(metafunc):
+    """A test (or a module fixture) that takes `seed` runs once per seed of --seeds."""
+    if "seed" in metafunc.fixturenames:
+        metafunc.parametrize("seed", range(metafunc.config.getoption("seeds")), scope="module",
+                             ids=lambda s: f"seed{s}")
+
+
+@pytest.hookimpl(tryfirst=True)              # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Modules with the most `slow` or `aot` tests first, the others after them in file order.
 
     `make test` hands whole files to two workers in this order (`--dist loadfile
     --no-loadscope-reorder`): the long files start first and the short ones fill in at the end.
     (xdist's default order, most tests first, left the long files of few tests for last, one worker
-    running them while the other idled.) A sort by module keeps each module's own order."""
+    running them while the other idled.) A sort by module keeps each module's own order. Tests that
+    take `seed` are marked `seeded` (`make test-seeds`)."""
+    for item in items:
+        if "seed" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.seeded)
     heavy: dict[str, int] = {}
     for item in items:
         n = any(item.get_closest_marker(m) for m in ("slow", "aot"))

@@ -59,6 +59,78 @@ CHIP_TOLERANCES = {"factor_vs_xla_on_chip": CHIP_FACTOR, "floor_bf16_ulps": CHIP
                    "nan": False, "pallas_calls_per_step": PALLAS_CALLS_PER_STEP}
 
 
+# ---- on CPU, two implementations that sum in different orders (docs/numerics.md, "When the order differs")
+# Neither is wrong: an fp32 sum in another order now and then flips one bf16 rounding, and each layer a
+# value passes through may add such flips. So a value may be ORDER_ULPS_PER_LAYER bf16 ulps at its
+# array's scale off per layer it has passed through. A routing near tie (ROUTE_NEAR_TIE on the oracle)
+# can pick another expert: what the tied token writes (its logits, its MLA cache slots, and the
+# recurrent KDA and conv states of its row, which carry it on) is compared separately, within TIE_SHARE
+# of the array's scale. A bug (a wrong decay, a dropped expert, a transposed tile) moves values by
+# their own scale at most positions.
+ORDER_ULPS_PER_LAYER = 2
+TIE_SHARE = 0.5
+
+
+def route_ties(margins) -> np.ndarray:
+    """The oracle's routing margins [..., n_moe] -> bool [...]: a near tie in some MoE layer."""
+    return (np.asarray(margins) < ROUTE_NEAR_TIE).any(axis=-1)
+
+
+def order_bound(want, depth: int) -> float:
+    """The rule's bound for a value `depth` layers deep: ORDER_ULPS_PER_LAYER x depth bf16 ulps at want's scale."""
+    return ORDER_ULPS_PER_LAYER * depth * bf16_scale_ulp(want)
+
+
+def _units_over(name: str, err: np.ndarray, bound: float, tie: np.ndarray | None, scale: float) -> list[str]:
+    """err: the max |error| of each unit (a position, a slot, a row); tie: those compared separately."""
+    tie = np.zeros(err.shape, bool) if tie is None else np.broadcast_to(tie, err.shape)
+    out = []
+    for label, mask, limit in (("", ~tie, bound), (" at a routing near tie", tie, TIE_SHARE * scale)):
+        bad = mask & ~(err <= limit)                                   # NaN fails too
+        if bad.any():
+            i = tuple(int(j) for j in np.argwhere(bad)[0])
+            out.append(f"{name}: {int(bad.sum())} of {int(mask.sum())} unit(s){label} off by more than {limit:.3g} "
+                       f"(worst {float(np.nanmax(np.where(bad, err, -np.inf))):.3g}, first at {i})")
+    return out
+
+
+def order_violations(cfg: K3Config, got: dict, want: dict, tie=None) -> list[str]:
+    """Why `got` is not `want` up to summation order ([] = it is), under the rule above.
+
+    got / want: "logits" [B, V] or [B, T, V] (depth cfg.layers, compared per position at the scale of
+    all logits) and any cache arrays (`mk.model.reference.init_cache`; each family layer at its own
+    scale and depth: its index in the model + 1; "pos" exactly). tie: bool [B] or [B, T], the
+    oracle's routing near ties (`route_ties`) at the logits' positions; for the caches, position t of
+    row b is cache slot t (a prompt from an empty cache)."""
+    reasons = []
+    tie = None if tie is None else np.asarray(tie, bool)
+    slot_tie = None if tie is None else (tie if tie.ndim == 2 else tie[:, None])
+    for name in got:
+        g, w = np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
+        if g.shape != w.shape:
+            reasons.append(f"{name}: shape {g.shape} != {w.shape}")
+        elif name == "pos":
+            reasons += [] if np.array_equal(g, w) else [f"pos: {g.tolist()} != {w.tolist()}"]
+        elif name == "logits":
+            err = np.abs(g - w).max(axis=-1)
+            reasons += _units_over(name, err, order_bound(w, cfg.layers), tie, float(np.abs(w).max()))
+        else:
+            layers = cfg.mla_layers if name.startswith("mla") else cfg.kda_layers
+            for i, l in enumerate(layers):
+                gi, wi = g[:, i], w[:, i]
+                bound, scale, where = order_bound(wi, l + 1), float(np.abs(wi).max(initial=0.0)), f"{name}[layer {l}]"
+                if name.startswith("mla"):                              # [B, H, ctx, w]: per slot
+                    err, t = np.abs(gi - wi).max(axis=(1, 3)), None
+                    if slot_tie is not None:
+                        t = np.zeros(err.shape, bool)
+                        t[:, :slot_tie.shape[1]] = slot_tie
+                else:                                                   # a recurrent state: per row,
+                    err = np.abs(gi - wi).reshape(len(gi), -1).max(axis=1)  # which carries every token on
+                    t = None if slot_tie is None else slot_tie.any(axis=1)
+                reasons += _units_over(where, err, bound, t, scale)
+    return reasons
+
+
 def verdict(res: dict) -> list[str]:
     """Why a `check` result is outside the tolerances above ([] = it passes)."""
     if res.get("policy") == "chip":
