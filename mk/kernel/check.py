@@ -94,17 +94,17 @@ def _units_over(name: str, err: np.ndarray, bound: float, tie: np.ndarray | None
     return out
 
 
-def order_violations(cfg: K3Config, got: dict, want: dict, tie=None) -> list[str]:
+def order_violations(cfg: K3Config, got: dict, want: dict, tie=None, start=0) -> list[str]:
     """Why `got` is not `want` up to summation order ([] = it is), under the rule above.
 
     got / want: "logits" [B, V] or [B, T, V] (depth cfg.layers, compared per position at the scale of
     all logits) and any cache arrays (`mk.model.reference.init_cache`; each family layer at its own
     scale and depth: its index in the model + 1; "pos" exactly). tie: bool [B] or [B, T], the
-    oracle's routing near ties (`route_ties`) at the logits' positions; for the caches, position t of
-    row b is cache slot t (a prompt from an empty cache)."""
+    oracle's routing near ties (`route_ties`) at the logits' positions, which start at cache slot
+    `start` (an int, or one per row; 0: a prompt from an empty cache)."""
     reasons = []
     tie = None if tie is None else np.asarray(tie, bool)
-    slot_tie = None if tie is None else (tie if tie.ndim == 2 else tie[:, None])
+    tie = None if tie is None else (tie if tie.ndim == 2 else tie[:, None])
     for name in got:
         g, w = np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
         if g.shape != w.shape:
@@ -113,7 +113,8 @@ def order_violations(cfg: K3Config, got: dict, want: dict, tie=None) -> list[str
             reasons += [] if np.array_equal(g, w) else [f"pos: {g.tolist()} != {w.tolist()}"]
         elif name == "logits":
             err = np.abs(g - w).max(axis=-1)
-            reasons += _units_over(name, err, order_bound(w, cfg.layers), tie, float(np.abs(w).max()))
+            reasons += _units_over(name, err, order_bound(w, cfg.layers), None if tie is None else tie.reshape(err.shape),
+                                   float(np.abs(w).max()))
         else:
             layers = cfg.mla_layers if name.startswith("mla") else cfg.kda_layers
             for i, l in enumerate(layers):
@@ -121,12 +122,13 @@ def order_violations(cfg: K3Config, got: dict, want: dict, tie=None) -> list[str
                 bound, scale, where = order_bound(wi, l + 1), float(np.abs(wi).max(initial=0.0)), f"{name}[layer {l}]"
                 if name.startswith("mla"):                              # [B, H, ctx, w]: per slot
                     err, t = np.abs(gi - wi).max(axis=(1, 3)), None
-                    if slot_tie is not None:
+                    if tie is not None:
                         t = np.zeros(err.shape, bool)
-                        t[:, :slot_tie.shape[1]] = slot_tie
+                        for b, s0 in enumerate(np.broadcast_to(start, len(t))):
+                            t[b, s0:s0 + tie.shape[1]] = tie[b]
                 else:                                                   # a recurrent state: per row,
                     err = np.abs(gi - wi).reshape(len(gi), -1).max(axis=1)  # which carries every token on
-                    t = None if slot_tie is None else slot_tie.any(axis=1)
+                    t = None if tie is None else tie.any(axis=1)
                 reasons += _units_over(where, err, bound, t, scale)
     return reasons
 
