@@ -18,6 +18,7 @@ expectation the kernel's own row used.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -27,6 +28,7 @@ EXPERTS = ("bf16", "mxfp4")
 BATCHES = (1, 2, 4, 8)
 
 
+@functools.lru_cache(maxsize=None)
 def config_of(name: str):
     """The K3Config a record's config names (a preset, or a config directory as the command gave it,
     from the working directory or the repository root), or None where neither exists."""
