@@ -180,12 +180,13 @@ def _run_cases(todo, out: Path, head: str, opts: dict, max_minutes: float | None
         bar.update(round(s))
         elapsed = time.monotonic() - t0
         rate = elapsed / done_est if done_est else 1.0
-        status = ("done" if rc == 0 else "stopped at --max-minutes (its finished batches are kept)" if rc is None
-                  else f"failed (exit {rc}): {_last_line(log)}")
-        _say(f"{case.label}: {status}; {elapsed / 60:.1f} min elapsed, ~{rate * sum(est[i + 1:]) / 60:.1f} min left")
         if rc is None:
+            _say(f"{case.label}: stopped at the time limit, its finished batches kept; {len(left) - i} case(s) "
+                 f"left; run the same command again to go on")
             bar.close()
             return False
+        status = "done" if rc == 0 else f"failed (exit {rc}): {_last_line(log)}"
+        _say(f"{case.label}: {status}; {elapsed / 60:.1f} min elapsed, ~{rate * sum(est[i + 1:]) / 60:.1f} min left")
     bar.close()
     return True
 

@@ -188,9 +188,13 @@ def sweep_table(records, configs, experts=EXPERTS, batches=BATCHES) -> str:
     lines.append("")
     lines.append(f"Each cell: the kernel's device time, its edge over the better rival, its share of the stream"
                  + (" (*: of uniform routing's expected experts, no step counted the routed ones)" if uniform else "")
-                 + (f"; from {len({r['path'] for r in used})} records, {dates[0]} to {dates[-1]}" if dates else "")
+                 + (f"; from {_records(len({r['path'] for r in used}))}, {dates[0]} to {dates[-1]}" if dates else "")
                  + ".")
     return "\n".join(lines)
+
+
+def _records(n: int) -> str:
+    return f"{n} record" + ("" if n == 1 else "s")
 
 
 def readme_block(records) -> str:
