@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "mk.cli.notebooks",    # notebooks
     "mk.cli.bench",        # bench
     "mk.cli.results",      # results
+    "mk.cli.sweep",        # sweep
 ]
 
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 from mk.perf import results
+from mk.perf.cases import readme_block
 
 
 def _rec(path, kind, key, date, summary, commit="a" * 40, **extra):
@@ -27,22 +28,17 @@ def test_newest_record_of_each_measurement_is_current(tmp_path):
     assert "| bench k3-chip bf16 | new | tpu-v5e | 2026-12-06 | aaaaaaa |" in table
     assert "old" not in table and "[json](d2/bench.json)" in table
     _rec(tmp_path / "d2/llo.json", "llo", {"chip": "v5e"}, "2026-12-06T11:00:00", "bundles")
+    _rec(tmp_path / "d2/check.json", "check", {"config": "mini", "batch": 8}, "2026-12-06T11:00:00", "older check")
+    _rec(tmp_path / "d3/check.json", "check", {"config": "k3-chip", "batch": 8}, "2026-12-07T11:00:00", "pass")
+    _rec(tmp_path / "d3/gen.json", "generate", {"config": "k3-chip", "chunk": 16}, "2026-12-06T11:00:00", "tok/s")
     recs = results.find_records(tmp_path)
-    assert [r["kind"] for _, r in results.headline(recs)] == ["bench"] * 3     # detail kinds: not the README's
-    _rec(tmp_path / "d2/sweep.json", "bench", {"config": "k3-chip", "experts": "bf16", "prefetch_depth": "4,16"},
-         "2026-12-06T12:00:00", "depths")
-    _rec(tmp_path / "d2/tile.json", "bench", {"config": "k3-chip", "experts": "mxfp4", "tile": "512x256"},
-         "2026-12-06T12:00:00", "a tile by hand")
-    shown = [r["summary"] for _, r in results.headline(results.find_records(tmp_path))]
-    assert "depths" not in shown and "a tile by hand" not in shown                              # tuning runs
-    listed = subprocess.run([sys.executable, "-m", "mk", "results", "--root", str(tmp_path)], capture_output=True,
-                            text=True, check=True).stdout
-    assert listed.index("| bench k3-chip bf16 | new") < listed.index("Detail records") < listed.index("| llo chip=v5e | bundles")
-    _rec(tmp_path / "d3/log.json", "bench_log", {"config": "k3-chip", "experts": "bf16"}, "2026-12-07T10:00:00", "logged")
-    _rec(tmp_path / "d3/rivals.json", "bench", {"config": "k3-chip", "experts": "bf16", "impl": "peer"},
-         "2026-12-07T11:00:00", "the peer alone")
-    shown = [r["summary"] for _, r in results.current(results.headline(results.find_records(tmp_path)))]
-    assert "logged" in shown and "new" not in shown and "the peer alone" not in shown   # a later log stands in
+    assert [r["summary"] for _, r in results.headline(recs)] == ["tok/s", "pass"]   # the newest of each kind, in order
+    cmd = [sys.executable, "-m", "mk", "results", "--root", str(tmp_path)]
+    block = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "| `k3-chip` | bf16 | not run |" in block and "| check k3-chip B=8 | pass |" in block
+    assert "bundles" not in block and "older check" not in block and "| bench k3-chip" not in block
+    listed = subprocess.run(cmd + ["--all"], capture_output=True, text=True, check=True).stdout
+    assert all(f"| {m} |" in listed for m in ("bench k3-chip bf16 | new", "llo chip=v5e | bundles", "check mini B=8 | older check"))
 
 
 def test_readme_block_written_and_checked(tmp_path):
@@ -79,7 +75,8 @@ def test_readme_results_block_is_current():
     readme = results.REPO / "README.md"
     block = results.read_block(readme)
     assert block is not None, "README.md has no results block"
-    assert block == results.results_table(results.headline(results.find_records(results.REPO / "docs")))
+    assert block == readme_block(results.find_records(results.REPO / "docs"))
+    assert len(readme.read_text().splitlines()) <= 150
 
 
 def test_records_figure_draws_each_impl_against_depth(tmp_path):

@@ -38,6 +38,7 @@ import numpy as np
 
 from mk.model.config import K3Config, get_config
 from mk.errors import UserError
+from mk.perf.cases import default_depth_of, default_tile_of, edge, newest_cases, races, record_rows  # noqa: F401  (notebook 04 reads the records with these)
 from mk.perf.trace import SUMMARY_LINES, device_events, host_annotation_count, is_kernel_op, is_region_event, outermost, profile_data  # noqa: F401  (the notebooks read traces with these)
 
 DEFAULT_CONFIG = {"cpu": "mini", "tpu": "k3-chip"}
@@ -436,55 +437,6 @@ IMPL_STYLE = {"kernel": ("#1f77b4", "circle"), "xla": ("#ff7f0e", "square"), "pe
               "xla-ragged": ("#9467bd", "triangle-up")}
 
 
-def default_tile_of(r) -> str | None:
-    """The tile ("512x512") the kernel now plans by default for a bench row's config and experts, or None
-    for a config that is no preset."""
-    from mk.kernel.plan import default_tile
-    try:
-        return "x".join(map(str, default_tile(get_config(r.get("config")), experts=r.get("experts") or "bf16")))
-    except Exception:
-        return None
-
-
-def newest_cases(records) -> dict[tuple, dict]:
-    """{(config, experts, batch, impl): the newest bench row of that case on the kernel's defaults} over
-    the bench records and the cases read back from a stopped bench's log (`record_rows`). A tuning run
-    (a key with `mk.perf.results.TUNING_KEYS`) counts only where it ran what the plan now takes by
-    default (its tile, its `--prefetch-depth` sweep's row at today's depth); a hand-set unpack never.
-    Rows without a device time, with an error, or of the reference are left out."""
-    out = {}
-    for r in record_rows(records, "bench") + record_rows(records, "bench_log"):
-        if r["impl"] == "reference" or not r.get("device_median_ms") or r.get("error"):
-            continue
-        key = set(r["record_key"].split(","))
-        if "mxfp4_unpack" in key or ("tile" in key and r.get("tile") != default_tile_of(r)):
-            continue
-        if "prefetch_depth" in key and r.get("prefetch_depth") != default_depth_of(r):
-            continue
-        case = (r.get("config"), r.get("experts"), r["batch"], r["impl"])
-        if case not in out or (r["recorded"], r["record"]) >= (out[case]["recorded"], out[case]["record"]):
-            out[case] = r
-    return out
-
-
-def races(records) -> dict[tuple, dict[str, dict]]:
-    """{(config, experts, batch): {impl: row}} of the cases where the kernel met a rival
-    (`mk.perf.bench.RIVALS`), each row the newest of its case (`newest_cases`). With MXFP4 experts the
-    fair XLA step is no rival (it unpacks every packed expert each step, a strawman): the peer is."""
-    from mk.perf.bench import RIVALS
-    by = {}
-    for (config, experts, b, impl), r in newest_cases(records).items():
-        if impl == "kernel" or (impl in RIVALS and not (experts == "mxfp4" and impl == "xla")):
-            by.setdefault((config, experts, b), {})[impl] = r
-    return {case: impls for case, impls in by.items() if "kernel" in impls and len(impls) > 1}
-
-
-def edge(impls: dict[str, dict]) -> float:
-    """The kernel's edge in one of `races`' cases: the better rival's device time over the kernel's."""
-    return (min(r["device_median_ms"] for i, r in impls.items() if i != "kernel")
-            / impls["kernel"]["device_median_ms"])
-
-
 def records_figure(records, batches=None):
     """Decode tokens/s from device time (the step program alone, from a profiler trace) against depth:
     one panel per expert format and batch, one line per implementation, each point the newest bench
@@ -535,32 +487,3 @@ def records_figure(records, batches=None):
                             "labels: mk's edge over the better rival", legend=dict(orientation="h", y=-0.18),
                       margin=dict(t=90, b=110), width=1250, height=300 + 260 * len(formats))
     return fig
-
-
-def default_depth_of(r) -> int | None:
-    """The prefetch depth the kernel now plans by default for a bench row's (a dict or a DataFrame row)
-    config, experts and batch (on a v5e), or None for a config that is no preset."""
-    from mk.kernel.plan import make_plan
-    try:
-        return make_plan(get_config(r.get("config")), r["batch"], chip="v5e", experts=r.get("experts")).prefetch_depth
-    except Exception:
-        return None
-
-
-def record_rows(records, kind: str) -> list[dict]:
-    """The rows of the newest records of one kind (`mk.perf.results.current`), each with its record's key
-    (config, experts, ...), date ("recorded": with the time), commit (7 characters), file ("record") and
-    key names ("record_key") added: one flat dict per measured case, ready for a DataFrame. records:
-    `mk.perf.results.find_records`."""
-    import json
-
-    from mk.perf.results import current
-    out = []
-    for path, rec in current(records):
-        if rec["kind"] != kind:
-            continue
-        for r in json.loads(path.read_text()).get("rows", []):
-            out.append({**rec.get("key", {}), **r, "date": (rec.get("date") or "")[:10],
-                        "commit": (rec.get("commit") or "")[:7], "record": path.name,
-                        "recorded": rec.get("date") or "", "record_key": ",".join(sorted(rec.get("key") or {}))})
-    return out
