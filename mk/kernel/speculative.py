@@ -325,23 +325,26 @@ def accept_on_device(logits, drafts, pos, temperature: float, top_p: float, seed
     return count, bonus
 
 
-def force_acceptance(logits, fixed_acceptance: int):
-    """The acceptance of a speed measurement at acceptance length L = fixed_acceptance, traceable:
-    logits [B, 1 + k, V] -> (count [B] = L - 1, bonus [B] = the argmax of verify row L - 1), int32;
-    the drafts are taken whatever they are, so the tokens are not meaningful (`FIXED_NOTE`)."""
+def force_acceptance(logits, fixed_acceptance):
+    """The acceptance of a speed measurement at acceptance length L = fixed_acceptance (an int or a
+    traced int32 scalar), traceable: logits [B, 1 + k, V] -> (count [B] = L - 1, bonus [B] = the
+    argmax of verify row L - 1), int32; the drafts are taken whatever they are, so the tokens are
+    not meaningful (`FIXED_NOTE`)."""
     count = jnp.full(logits.shape[:1], fixed_acceptance - 1, jnp.int32)
-    return count, jnp.argmax(logits[:, fixed_acceptance - 1], -1).astype(jnp.int32)
+    row = jnp.take_along_axis(logits, count[:, None, None], 1)[:, 0]
+    return count, jnp.argmax(row, -1).astype(jnp.int32)
 
 
 def speculative_chunk(verify, commit, dc, weights, dparams, cache, dcache, s, *, n: int, k: int,
                       aux: bool, temperature: float, top_p: float, seed: int, stop_ids: tuple[int, ...], pad: int,
-                      fixed_acceptance: int | None = None):
+                      fixed: bool = False):
     """Up to n draft-verify-accept steps on the device -> (cache, dcache, state, tokens [B, n (1 + k)]
-    int32 (each row's emitted tokens first, then pad), done [B]). fixed_acceptance L: every step
-    accepts L - 1 drafts (`force_acceptance`) instead of the acceptance rule.
+    int32 (each row's emitted tokens first, then pad), done [B]). fixed: every step accepts
+    state["fixed"] - 1 drafts (`force_acceptance`; a traced length, so one program serves every
+    L) instead of the acceptance rule.
 
     state: anchor [B], pos [B], done [B], count [B] (tokens emitted), max_new [], steps [],
-    accepted [B] (sum of acceptance lengths), row_steps [B]. A row emits its accepted drafts and the
+    accepted [B] (sum of acceptance lengths), row_steps [B], fixed [] (the fixed acceptance length). A row emits its accepted drafts and the
     bonus, cut at a stop id (emitted) or at max_new. A done row keeps its position (the rows step
     together; its states are then not used again), so positions stay within prompt + max_new + 2(1 + k)."""
     from mk.model import drafter as mkdrafter
@@ -361,10 +364,10 @@ def speculative_chunk(verify, commit, dc, weights, dparams, cache, dcache, s, *,
         with jax.named_scope("verify"):
             logits, block = verify(weights, cache, jnp.concatenate([s["anchor"][:, None], drafts], 1))
         with jax.named_scope("accept"):
-            if fixed_acceptance is None:
-                count, bonus = accept_on_device(logits, drafts, s["pos"], temperature, top_p, seed)
+            if fixed:
+                count, bonus = force_acceptance(logits, s["fixed"])
             else:
-                count, bonus = force_acceptance(logits, fixed_acceptance)
+                count, bonus = accept_on_device(logits, drafts, s["pos"], temperature, top_p, seed)
             if aux:
                 dcache = mkdrafter.observe(dparams, dcache, block["aux"], s["pos"], dc=dc)
             cache = commit(cache, block, count)
@@ -403,8 +406,8 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     fixed_acceptance L (1..k + 1): every step on the device accepts L - 1 drafts, emits them and the
     bonus, and rolls the cache forward by L (speed at a chosen acceptance length; the tokens are not
     meaningful, and the result's "note" says so). programs: a dict the caller keeps across calls with
-    the same verifier (`mk bench --mode speculative`): the jitted chunk is made once per setting, so
-    a warm-up run compiles what a timed run reuses."""
+    the same verifier (`mk bench --mode speculative`): the jitted chunk is made once per setting (one
+    for every fixed L: L is an input), so a warm-up run compiles what a timed run reuses."""
     import functools
     from mk.model.loop import PAD, drive
     prompt = _prompt_rows(prompt)
@@ -420,7 +423,7 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     weights, verify, commit = verifier.traced(params, aux_layers)
     stop_ids = tuple(int(t) for t in stop_ids)
     static = dict(n=chunk, k=k, aux=bool(aux_layers), temperature=temperature, top_p=top_p, seed=seed,
-                  stop_ids=stop_ids, pad=PAD, fixed_acceptance=fixed_acceptance)
+                  stop_ids=stop_ids, pad=PAD, fixed=fixed_acceptance is not None)
     programs = {} if programs is None else programs
     key = (drafter.dc, *sorted(static.items()))
     if key not in programs:
@@ -439,7 +442,7 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     state = {"anchor": jnp.asarray(head[:, 0]), "pos": jnp.asarray(pos, jnp.int32), "done": jnp.asarray(done),
              "count": jnp.ones((B,), jnp.int32), "max_new": jnp.asarray(max_new_tokens, jnp.int32),
              "steps": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((B,), jnp.int32),
-             "row_steps": jnp.zeros((B,), jnp.int32)}
+             "row_steps": jnp.zeros((B,), jnp.int32), "fixed": jnp.asarray(fixed_acceptance or 0, jnp.int32)}
     pieces = [head]
     (cache, dcache, state), chunks = drive(lambda c, d, s: fn(weights, drafter.params, c, d, s), (cache, dcache, state),
                                            done.all(), pieces, on_tokens)
