@@ -27,7 +27,7 @@ import gc
 import glob
 import json
 import os
-import statistics
+import re
 import tempfile
 import time
 from typing import Callable, Sequence
@@ -180,8 +180,7 @@ def measure_speculative(cfg: K3Config, batches: Sequence[int] = (1, 2), ks: Sequ
         try:
             row.update(fn())
         except Exception as e:                  # a case that does not compile or run: say why, go on
-            msg = str(e).strip().splitlines()
-            row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+            row["error"] = _error(e)
         log("row " + json.dumps(row, default=float))
         return row
 
@@ -204,16 +203,28 @@ def measure_speculative(cfg: K3Config, batches: Sequence[int] = (1, 2), ks: Sequ
                 if impl != "kernel":
                     rows += [dict(base, k=k, L=L, error=NO_XLA_VERIFY) for L in Ls]
                     continue
-                verifier = KernelVerifier(params, cfg, B, k, dc.aux_layers, ctx=ctx, experts=experts)
-                per_k = {"verify_ms": verify_ms(verifier, cfg, B, k, ctx), "drafter_ms": drafter_ms(drafter, B, k, ctx)}
-                programs: dict = {}
+                verifier, programs = None, {}
+                try:                                # its plan, weights and verify step; a failure: each L says why
+                    verifier = KernelVerifier(params, cfg, B, k, dc.aux_layers, ctx=ctx, experts=experts)
+                    per_k = {"verify_ms": verify_ms(verifier, cfg, B, k, ctx),
+                             "drafter_ms": drafter_ms(drafter, B, k, ctx)}
+                except Exception as e:
+                    per_k = {"error": _error(e)}
                 for L in Ls:
-                    row = attempt(lambda: speculative_row(params, cfg, prompts[B], drafter, verifier, k, L, steps,
-                                                          chunk, ctx, programs), dict(base, k=k, **per_k))
+                    row = dict(base, k=k, L=L, **per_k)
+                    if not row["error"]:
+                        row = attempt(lambda: speculative_row(params, cfg, prompts[B], drafter, verifier, k, L, steps,
+                                                              chunk, ctx, programs), row)
                     rows.append(finish(row, plain))
                 del verifier, programs
                 gc.collect()
     return rows
+
+
+def _error(e: Exception) -> str:
+    """A case's failure in one line: the exception's type and first line."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
 
 
 def finish(row: dict, plain: dict) -> dict:
@@ -229,8 +240,10 @@ def finish(row: dict, plain: dict) -> dict:
     return row
 
 
-def _f(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+def _f(x, fmt: str, suffix: str = "") -> str:
+    """x formatted (then suffix), or "-" right-aligned to the same width where it is None."""
+    width = int(re.match(r"\d*", fmt).group() or 0) + len(suffix)
+    return "-".rjust(width) if x is None else format(x, fmt) + suffix
 
 
 def _x(ratio) -> str:
@@ -269,7 +282,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
                          f"  (plain decoding; device step {_f(r.get('device_step_ms'), '.3f')} ms)")
         else:
             lines.append(f"{head} {_f(r['device_tok_s'], '12.1f')} {_f(r['wall_tok_s'], '10.1f')} "
-                         f"{_f(r['speedup_device'], '10.2f')}x {_f(r['speedup_wall'], '11.2f')}x "
-                         f"{_f(r['device_step_ms'], '8.3f')} {_f(r['verify_over_decode'], '12.2f')}x "
+                         f"{_f(r['speedup_device'], '10.2f', 'x')} {_f(r['speedup_wall'], '11.2f', 'x')} "
+                         f"{_f(r['device_step_ms'], '8.3f')} {_f(r['verify_over_decode'], '12.2f', 'x')} "
                          f"{_f(r['drafter_share'], '8.1%')}")
     return "\n".join(lines)
