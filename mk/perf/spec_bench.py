@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk.model.config import K3Config
-from mk.perf.bench import BenchError, chip_of_device, generate_row, log, require_tpu
+from mk.perf.bench import BenchError, check_mode_options, chip_of_device, generate_row, log, require_tpu
 
 SPEC_IMPLS = ("kernel", "xla")
 PROMPT_TOKENS = 4           # the prompt of every row (the "4-token prompt")
@@ -155,13 +155,7 @@ def measure_speculative(cfg: K3Config, batches: Sequence[int] = (1, 2), ks: Sequ
     from mk.perf.bench import _kernel_loop_step
 
     require_tpu()
-    impls = tuple(impls)
-    bad = [i for i in impls if i not in SPEC_IMPLS]
-    if bad or not impls:
-        raise BenchError(f"--impl: unknown {bad or 'empty list'} for --mode speculative; expected some of "
-                         f"{', '.join(SPEC_IMPLS)}")
-    if experts not in ("bf16", "mxfp4"):
-        raise BenchError(f"--experts: expected bf16 or mxfp4, found {experts!r}")
+    impls = check_mode_options(impls, SPEC_IMPLS, "speculative", experts)
     todo = cases(batches, ks, lengths)
     kmax = max(k for _, k, _ in todo)
     ctx = context_for(PROMPT_TOKENS, 1 + steps * (kmax + 1), kmax)          # one cache size for every case
