@@ -40,7 +40,7 @@ from mk.model.config import K3Config
 from mk.perf.bench import BenchError, check_mode_options, chip_of_device, generate_row, log, require_tpu
 
 SPEC_IMPLS = ("kernel", "xla")
-PROMPT_TOKENS = 4           # the prompt of every row (the "4-token prompt")
+PROMPT_TOKENS = 4           # the prompt of every row: a short one, as a user types
 NO_XLA_VERIFY = "the fair XLA step (mk.perf.baseline) has no verify step"
 
 
