@@ -270,3 +270,44 @@ def test_prefetch_depth_sweep_is_the_kernel_alone(monkeypatch, capsys):
                                    "depth 64: kernel device 6.10 / 7.90 ms at B = 1 / 8; 0.92 / 0.86 of stream")
     uniform = [{**r, "distinct_source": "expected (uniform routing)"} for r in rows]   # the note once, at the end
     assert bench.summary(uniform) == bench.summary(rows) + bench.UNIFORM_NOTE
+
+
+# ---- mk bench --mode speculative (mk.perf.spec_bench) -------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--acceptance", "9"], "--acceptance: each length must lie in 1..8"),
+    (["--speculative", "7", "--batch", "2"], "--speculative 7: no k fits the kernel's 8 rows at --batch 2"),
+    (["--speculative", "0"], "--speculative: values must be at least 1"),
+    ([], "TPU"),
+])
+def test_speculative_mode_refuses_in_one_line(argv, message):
+    """Bad L or k are said before the TPU check; good options then meet it (CPU)."""
+    p = subprocess.run([sys.executable, "-m", "mk", "bench", "--mode", "speculative", *argv], capture_output=True,
+                       text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
+
+
+def test_speculative_cases_keep_what_fits_the_rows():
+    from mk.perf.spec_bench import cases
+    assert cases([1, 2], [3, 7], None) == [(1, 3, [1, 2, 3, 4]), (1, 7, list(range(1, 9))), (2, 3, [1, 2, 3, 4])]
+    assert cases([1], [3, 7], [1, 6]) == [(1, 3, [1]), (1, 7, [1, 6])]
+
+
+@pytest.mark.slow
+def test_measure_speculative_pipeline(monkeypatch):
+    """Plain decoding and the speculative loop at L = 2 on the kernel (interpret mode), the xla
+    step's speculative rows not run, the TPU check bypassed: rows complete (CPU: plumbing only)."""
+    from mk.perf import spec_bench
+    from tests.test_loop import TINY
+    monkeypatch.setattr(spec_bench, "require_tpu", lambda backend=None: None)
+    rows = spec_bench.measure_speculative(TINY, batches=(1,), ks=(1,), lengths=(2,), steps=2, chunk=2, device_steps=1)
+    assert [(r["impl"], r["k"], r["L"]) for r in rows] == [("kernel", 0, 1), ("kernel", 1, 2), ("xla", 0, 1),
+                                                           ("xla", 1, 2)]
+    plain, spec, _, xla = rows
+    assert plain["error"] is None and spec["error"] is None, rows
+    assert spec["steps"] == 2 and spec["emitted"] == 4 and spec["tokens_per_step"] == 2
+    assert spec["speedup_wall"] == pytest.approx(spec["wall_tok_s"] / plain["loop_tok_s"])
+    assert spec["device_tok_s"] is None and spec["drafter_share"] is None          # no device plane on CPU
+    assert xla["error"] == spec_bench.NO_XLA_VERIFY
+    assert spec_bench.summary(rows).startswith("kernel, at a fixed acceptance length (tokens not meaningful): "
+                                               "B=1 k=1: L=2 - device / ")

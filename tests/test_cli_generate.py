@@ -110,6 +110,11 @@ def test_speculative_json(capsys, tiny_dir, tmp_path):
     fixed = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "7", "--json",
                            "--speculative", "2", "--fixed-acceptance-length", "3"))
     assert fixed["acceptance_lengths"] == [[3, 3]] and fixed["tokens_per_step"] == 3
+    assert fixed["note"].startswith("tokens not meaningful")
+    on_device = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "7", "--json",
+                               "--speculative", "2", "--fixed-acceptance-length", "3", "--loop", "device"))
+    assert on_device["row_mean_acceptance_lengths"] == [3.0] and on_device["tokens_per_step"] == 3
+    assert on_device["loop"] == "device" and on_device["note"] == fixed["note"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -128,8 +133,10 @@ def test_speculative_json(capsys, tiny_dir, tmp_path):
     (["--prompt", "hi"], "--prompt needs --checkpoint DIR"),
     (["--prompt-tokens", "1", "--chunk", "0"], "--chunk must be at least 1 step, found 0"),
     (["--prompt-tokens", "1", "--prefill", "parallel", "--loop", "host"], "--prefill parallel needs the device loop"),
-    (["--prompt-tokens", "1", "--speculative", "2", "--fixed-acceptance-length", "2", "--loop", "device"],
-     "--fixed-acceptance-length runs on the host loop"),
+    (["--prompt-tokens", "1", "--speculative", "2", "--fixed-acceptance-length", "0", "--loop", "device"],
+     "--fixed-acceptance-length must lie in 1..3 (1 + --speculative), found 0"),
+    (["--prompt-tokens", "1", "--speculative", "3", "--batch", "4", "--loop", "device"],
+     "--speculative 3: a verify step of batch 4 x (1 + 3) = 16 rows exceeds the 8 rows"),
     (["--prompt-tokens", ",".join(["1"] * 130), "--ctx", "128"], "exceed --ctx 128"),
     (["--prompt-tokens", "1", "--checkpoint", "/nonexistent"], "give --config or --checkpoint, not both"),
 ])

@@ -212,3 +212,42 @@ def test_speculative_device_loop_on_the_kernel(params, host_greedy, drafter):
     verifier = KernelVerifier(params, TINY, 2, 2, drafter.aux_layers, ctx=CTX)
     res = sp.device_generate(params, TINY, PROMPT, 5, drafter, 2, ctx=CTX, verifier=verifier, chunk=2)
     assert res["tokens"].tolist() == host_greedy[:, :5].tolist()
+
+
+def fixed_run(params, drafter, L, **kw):
+    """A device loop at fixed acceptance length L, one step per chunk: (result, each step's emitted
+    tokens per row)."""
+    from mk.kernel import speculative as sp
+    pieces = []
+    res = sp.device_generate(params, TINY, PROMPT, 1 + 2 * L, drafter, 2, ctx=CTX, chunk=1,
+                             fixed_acceptance=L, on_tokens=pieces.append, **kw)
+    return res, [(np.asarray(p) >= 0).sum(1).tolist() for p in pieces[1:]]   # pieces[0]: the prefill's token
+
+
+def test_speculative_device_loop_fixed_acceptance(params, drafter, L=3):
+    """--fixed-acceptance-length L on the device: every step emits L tokens per row (L - 1 drafts,
+    whatever the drafter said, and the bonus) and the cache's positions advance by L a step."""
+    res, per_step = fixed_run(params, drafter, L)
+    assert per_step == [[L, L], [L, L]] and res["steps"] == 2
+    assert res["positions"].tolist() == [2 * L, 2 * L] and res["lengths"].tolist() == [1 + 2 * L] * 2
+    assert res["acceptance"] == [float(L)] * 2 and res["note"].startswith("tokens not meaningful")
+
+
+def test_speculative_fixed_acceptance_refusals(params, drafter):
+    """L outside 1..k + 1 and k beyond the kernel's rows: one-line UserErrors naming the option."""
+    from mk.errors import UserError
+    from mk.kernel import speculative as sp
+    for L in (0, 4):
+        with pytest.raises(UserError, match=f"--fixed-acceptance-length must lie in 1..3 .*found {L}"):
+            sp.device_generate(params, TINY, PROMPT, 4, drafter, 2, fixed_acceptance=L)
+    with pytest.raises(UserError, match=r"--speculative 4: a verify step of batch 2 x \(1 \+ 4\) = 10 rows"):
+        sp.device_generate(params, TINY, PROMPT, 4, drafter, 4, fixed_acceptance=2)
+
+
+@pytest.mark.slow
+def test_speculative_device_loop_fixed_acceptance_on_the_kernel(params, drafter):
+    """The same on the kernel's verify step (interpret mode): L tokens a step, positions by L."""
+    from mk.kernel.step import KernelVerifier
+    verifier = KernelVerifier(params, TINY, 2, 2, drafter.aux_layers, ctx=CTX)
+    res, per_step = fixed_run(params, drafter, 2, verifier=verifier)
+    assert per_step == [[2, 2], [2, 2]] and res["positions"].tolist() == [4, 4]

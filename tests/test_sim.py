@@ -635,3 +635,21 @@ def test_dequant_packing_follows_the_v5e_tile_counts():
         ph = [p for p in schedule(plan)[1] if p.vector_ops and p.name.startswith("expert")]
         per_weight[tile] = ph[0].vector_ops                # the same matrix, unpadded weights
     assert per_weight[256, 256] / per_weight[512, 512] == pytest.approx(1.263, rel=0.02)
+
+
+def test_speculative_model_is_the_wider_step_plus_the_drafter():
+    """`sim.speculative`: tokens/s = B x L / (the B x (1 + k)-row step + the drafter's bytes at the
+    stream rate), the plain step is predict's at B; the seed's tpu-v7x16 at L = 6 beside its 709."""
+    from mk.model.config import get_config
+    cfg = get_config("k3-chip")
+    r = sim.speculative(cfg, 1, 3, 2, "tpu-v5e", plans=("mk",), experts="bf16")["mk"]
+    wide = sim.predict(cfg, 4, "tpu-v5e", plans=("mk",), experts="bf16")["mk"]["step_time_s"]
+    plain = sim.predict(cfg, 1, "tpu-v5e", plans=("mk",), experts="bf16")["mk"]["step_time_s"]
+    assert r["verify_s"] == wide and r["decode_step_s"] == plain and 0 < r["drafter_share"] < 0.05
+    assert r["tokens_per_s"] == pytest.approx(2 / (wide + r["drafter_s"]))
+    seed = sim.speculative(get_config("k3"), 1, 7, 6, "tpu-v7x16", plans=("seed",))
+    assert seed["published_tok_s"] == 709 and seed["ratio"] == pytest.approx(seed["seed"]["tokens_per_s"] / 709)
+    with pytest.raises(sim.SimError, match=r"--acceptance must lie in 1..4"):
+        sim.speculative(cfg, 1, 3, 5, "tpu-v5e", plans=("mk",))
+    with pytest.raises(sim.SimError, match=r"batch 2 x \(1 \+ 7\) = 16 rows"):
+        sim.speculative(cfg, 2, 7, 2, "tpu-v5e", plans=("mk",))

@@ -23,6 +23,15 @@ step's device time from a `jax.profiler` trace, as above), frac_of_device (loop_
 device_tok_s: 1.0 = no gap between steps), host_step_ms and host_tok_s (the per-token host loop,
 each step timed to block_until_ready), loop_speedup (loop_tok_s / host_tok_s), ttft_s, compile_s,
 wall_s, error. `--json` adds a record (`mk.perf.results`, kind "generate", key config, experts, chunk).
+
+`--mode speculative` (`mk.perf.spec_bench`, impls kernel and xla; default --batch 1,2): speculative
+decoding on the device loop at a fixed acceptance length (tokens not meaningful: a speed measurement),
+`--speculative` k drafts (default 3,7; those that fit the kernel's rows at each batch), `--acceptance`
+lengths L (default 1..k + 1), `--steps` speculative steps a case (default 32), beside plain decoding of
+the same config in the same run. Rows: impl, batch, k (0: plain decoding), L, device_tok_s and
+wall_tok_s, speedup_device and speedup_wall (over plain's), device_step_ms, verify_over_decode,
+drafter_share, prefill_s, error. `--json` adds a record (kind "bench_speculative", key config, experts,
+and the batches, ks and lengths where not the defaults).
 """
 from __future__ import annotations
 
@@ -36,11 +45,16 @@ def add_parser(subparsers):
     p = subparsers.add_parser("bench", help="time kernel vs fair XLA step vs reference on a TPU",
                               description=__doc__.splitlines()[0])
     p.add_argument("--config", default="k3-chip", help="preset or checkpoint config (default k3-chip)")
-    p.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes (default 1,2,4,8)")
+    p.add_argument("--batch", default=None, help="comma-separated batch sizes (default 1,2,4,8; --mode speculative: 1,2)")
     p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16", help="routed experts' storage format")
-    p.add_argument("--mode", choices=("step", "generate"), default="step",
+    p.add_argument("--mode", choices=("step", "generate", "speculative"), default="step",
                    help="step: time single steps (default); generate: the device decode loop (mk.model.loop) "
-                        "against the device step rate")
+                        "against the device step rate; speculative: the speculative device loop at fixed "
+                        "acceptance lengths against plain decoding")
+    p.add_argument("--speculative", default="3,7", metavar="KS",
+                   help="--mode speculative: comma-separated drafts per step (default 3,7)")
+    p.add_argument("--acceptance", default=None, metavar="LS",
+                   help="--mode speculative: comma-separated fixed acceptance lengths (default 1..k + 1 of each k)")
     p.add_argument("--chunk", type=positive_int, default=16, help="--mode generate: steps per dispatch (default 16)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="timed steps per case (default 20; --mode generate: decode steps, default 128)")
@@ -80,9 +94,17 @@ def run(args) -> int:
     if args.prefetch_depth is not None:                   # one depth: an int, as before; several: a sweep
         depths = bench.prefetch_depths(int_list(args.prefetch_depth, "--prefetch-depth", low=0), impls)
         args.prefetch_depth = depths[0] if len(depths) == 1 else depths
+    speculative = args.mode == "speculative"
+    batches = int_list(args.batch or ("1,2" if speculative else "1,2,4,8"), "--batch")
+    if speculative:                                       # its options are checked before the TPU
+        from mk.perf import spec_bench
+        ks = int_list(args.speculative, "--speculative")
+        lengths = int_list(args.acceptance, "--acceptance") if args.acceptance else None
+        spec_bench.cases(batches, ks, lengths)
     bench.require_tpu()                                   # then: nothing is loaded or built on CPU
-    batches = int_list(args.batch, "--batch")
     cfg = get_config(args.config)
+    if speculative:
+        return _run_speculative(args, cfg, batches, ks, lengths)
     if generate:
         return _run_generate(args, bench, cfg, batches, impls)
     args.steps = args.steps or 20
@@ -145,6 +167,29 @@ def _run_generate(args, bench, cfg, batches, impls) -> int:
         print(f"{r['impl']:7s} {r['batch']:2d} {r['loop_tok_s']:10.1f} {r['loop_step_ms']:8.3f} "
               f"{_f(r['device_step_ms'], '9.3f')} {_f(r['device_tok_s'], '12.1f')} {_f(r['frac_of_device'], '9.3f')} "
               f"{_f(r['host_step_ms'], '8.3f')} {_f(r['loop_speedup'], '7.2f')}x")
+    return 0
+
+
+def _run_speculative(args, cfg, batches, ks, lengths) -> int:
+    from mk.perf import bench, spec_bench
+    if args.prefetch_depth is not None or args.tile is not None:
+        raise bench.BenchError("--prefetch-depth and --tile are --mode step options")
+    impls = [s.strip() for s in (args.impl or ",".join(spec_bench.SPEC_IMPLS)).split(",") if s.strip()]
+    steps = args.steps or 32
+    rows = spec_bench.measure_speculative(cfg, batches, ks, lengths, args.experts, impls, steps, args.chunk,
+                                          seed=args.seed)
+    meta = dict(bench.metadata(cfg, args.experts, steps, 1), mode="speculative", chunk=args.chunk)
+    if not args.json:
+        print(spec_bench.format_table(rows, meta))
+        return 0
+    from mk.perf.results import provenance
+    key = {"config": meta["config"], "experts": args.experts}
+    for name, value, default in (("batch", batches, [1, 2]), ("speculative", ks, [3, 7]), ("acceptance", lengths, None)):
+        if value is not None and list(value) != default:
+            key[name] = ",".join(map(str, value))
+    record = provenance("bench_speculative", key, spec_bench.summary(rows))
+    json.dump({"record": record, "metadata": meta, "rows": rows}, sys.stdout, indent=2, default=float)
+    sys.stdout.write("\n")
     return 0
 
 

@@ -17,8 +17,8 @@ sequential` (default) runs the prompt through the decode step token by token (no
 `mk.perf.prefill` (all positions at once). `--loop host` is the per-token host loop
 (`mk.model.reference.generate`: prefill_s there includes compiling the step); multi-process runs
 and `--speculative` use it by default. `--speculative K --loop device` drafts, verifies, accepts
-and rolls back on the device (`mk.kernel.speculative.device_generate`; not with
---fixed-acceptance-length); its --json reports row_mean_acceptance_lengths instead of every step's.
+and rolls back on the device (`mk.kernel.speculative.device_generate`); its --json reports
+row_mean_acceptance_lengths instead of every step's.
 
 Weights: `mk.model.params.init(config, seed)` for `--config` (a preset name or a checkpoint directory's
 config), or the tensors of `--checkpoint DIR`. `--backend kernel` runs the megakernel
@@ -30,7 +30,8 @@ or, with `--backend kernel [--mesh N]`, in the megakernel (`mk.kernel.step.Kerne
 KDA states, rollback by state_row, the drafter's aux rows copied out by the kernel);
 `--json` adds acceptance lengths, tokens per step and the measured tokens/s (on this host's
 device, named in `device`). `--fixed-acceptance-length L` forces L - 1 accepted drafts per step
-(speed at a chosen acceptance length; the tokens are then not meaningful).
+(speed at a chosen acceptance length, on either loop; the tokens are then not meaningful, and the
+output's "note" says so: on stderr, or in the --json object).
 Bad input exits 2 with a one-line message.
 """
 from __future__ import annotations
@@ -89,8 +90,6 @@ def _check_options(args):
     if args.chunk < 1:
         raise GenerateError(f"--chunk must be at least 1 step, found {args.chunk}")
     loop = _loop(args)
-    if loop == "device" and args.fixed_acceptance_length is not None:
-        raise GenerateError("--fixed-acceptance-length runs on the host loop (drop --loop device)")
     if loop == "device" and args.coordinator is not None:
         raise GenerateError("--coordinator (multi-process) runs on the host loop; drop --loop device")
     if loop == "host" and args.prefill != "sequential":
@@ -124,10 +123,8 @@ def _check_options(args):
         if args.mesh is not None and args.backend != "kernel":
             raise GenerateError("--speculative --mesh N runs on --backend kernel (the sharded reference has no "
                                 "verify step)")
-        L = args.fixed_acceptance_length
-        if L is not None and not 1 <= L <= args.speculative + 1:
-            raise GenerateError(f"--fixed-acceptance-length must lie in 1..{args.speculative + 1} "
-                                f"(1 + --speculative), found {L}")
+        from mk.kernel.speculative import check_fixed_acceptance
+        check_fixed_acceptance(args.fixed_acceptance_length, args.speculative)
 
 
 def _model_config(args):
@@ -325,7 +322,8 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         res = speculative.device_generate(params, cfg, rows, args.max_new_tokens, drafter, args.speculative,
                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,
                                           verifier=verifier, chunk=args.chunk, on_tokens=stream,
-                                          stop_ids=tuple(tokenizer.eos_ids) if tokenizer is not None else ())
+                                          stop_ids=tuple(tokenizer.eos_ids) if tokenizer is not None else (),
+                                          fixed_acceptance=args.fixed_acceptance_length)
         if stream is not None:
             stream.close()
         res = dict(res, tokens=[[int(t) for t in r[:n]] for r, n in zip(res["tokens"], res["lengths"])])
@@ -335,7 +333,10 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
                                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,
                                    fixed_acceptance=args.fixed_acceptance_length, verifier=verifier)
         extra = {"acceptance_lengths": res["acceptance"]}
+    if args.fixed_acceptance_length is not None and not args.json:
+        print(f"note: {speculative.FIXED_NOTE}", file=sys.stderr)
     return _print_result(args, res, prompt, tokenizer, {
+        **({"note": speculative.FIXED_NOTE} if args.fixed_acceptance_length is not None else {}),
         "device": jax.devices()[0].platform,
         "speculative": args.speculative, "drafter": args.drafter,
         "fixed_acceptance_length": args.fixed_acceptance_length,

@@ -11,6 +11,11 @@ For each system and batch size, `mk.perf.sim` replays (one device's share of the
         (data/published.csv, read after the model), the measured step and modelled / measured.
 Every constant comes from data/ with a source; the output says which are measured, datasheet
 figures and assumptions.
+
+`--speculative K --acceptance L` models speculative decoding instead (`mk.perf.sim.speculative`): per
+batch, a verify step of B x (1 + K) rows plus the drafter's pass, L tokens a step, against plain
+decoding of B rows: step ms, the drafter's share, verify / decode step, tokens/s and the speed-up;
+where the seed published DSpark tokens/s at L (tpu-v7x16, gb200x16: L = 3, 6), that figure beside it.
 """
 from __future__ import annotations
 
@@ -60,6 +65,11 @@ def add_parser(subparsers):
     p.add_argument("--measured-from", metavar="BENCH_JSON", default=None,
                    help="with --routed-from: the kernel's step to compare with from this bench instead (of "
                         "--config and --experts; a kernel-alone bench)")
+    p.add_argument("--speculative", type=positive_int, default=None, metavar="K",
+                   help="model speculative decoding with K drafts a step (a verify step of B x (1 + K) rows and "
+                        "the drafter), with --acceptance")
+    p.add_argument("--acceptance", type=float, default=None, metavar="L",
+                   help="--speculative: tokens emitted a step, 1..K + 1")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -353,12 +363,68 @@ def format_sensitivity(system: str, rows: list[dict], batches: list[int]) -> str
     return "\n".join(lines) + "\n"
 
 
+def speculative_report(args, systems: list[str], batches: list[int]) -> list[dict]:
+    """`sim.speculative` for every system and batch (`--speculative K --acceptance L`)."""
+    from mk.model.config import get_config
+    from mk.perf import hardware, sim
+    if args.acceptance is None:
+        raise UserError("--speculative K needs --acceptance L (tokens a step, 1..K + 1)")
+    for option in ("routed_from", "sensitivity", "trace"):
+        if getattr(args, option):
+            raise UserError(f"--{option.replace('_', '-')} models plain decoding; drop it with --speculative")
+    cfg = get_config(args.config)
+    plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
+    out = []
+    for name in systems:
+        if name not in hardware.system_names():
+            raise UserError(f"--system: unknown system {name!r}; expected one of {list(hardware.system_names())}")
+        system = hardware.get_system(name, microbench_csv=args.microbench)
+        _check_system(system, plans, args.mxfp4_matmul)
+        for b in batches:
+            out.append(sim.speculative(cfg, b, args.speculative, args.acceptance, system,
+                                       context=args.context or sim.DEFAULT_CONTEXT, plans=plans, experts=args.experts,
+                                       mxfp4_matmul=args.mxfp4_matmul, straggler=not args.mean_experts))
+    return out
+
+
+def format_speculative(rows: list[dict]) -> str:
+    """One line per system, batch and plan: the modelled speculative step and tokens/s."""
+    lines = [f"{'system':10s} {'B':>2s} {'k':>2s} {'L':>4s} {'plan':4s} {'verify ms':>9s} {'drafter':>8s} "
+             f"{'x decode':>8s} {'tok/s':>7s} {'plain':>7s} {'speedup':>7s}  published (seed, measured)"]
+    for r in rows:
+        for p in ("seed", "mk"):
+            if p not in r:
+                continue
+            m = r[p]
+            pub = (f"  {r['published_tok_s']:.0f} tok/s (modelled / published {r['ratio']:.2f})"
+                   if p == "seed" and r.get("published_tok_s") else "")
+            lines.append(f"{r['system']:10s} {r['batch']:2d} {r['k']:2d} {r['acceptance']:4g} {p:4s} "
+                         f"{m['verify_s'] * 1e3:9.3f} {m['drafter_share']:7.1%} {m['verify_over_decode']:7.2f}x "
+                         f"{m['tokens_per_s']:7.1f} {m['plain_tokens_per_s']:7.1f} {m['speedup']:6.2f}x{pub}")
+    notes = {f"{r['system']}: drafter {r['drafter']}" + (f" ({r['drafter_assumption']}: an assumption)"
+                                                         if r["drafter_assumption"] else "") for r in rows}
+    lines += sorted(notes)
+    lines.append("all times modelled (mk.perf.sim): a verify step of B x (1 + k) rows (the KDA row chaining not "
+                 "modelled) plus the drafter's bytes at the DMA stream rate; drafter = its share of a step")
+    return "\n".join(lines) + "\n"
+
+
 def run(args) -> int:
     from mk.model.config import get_config
     from mk.perf import sim
 
     systems = [s.strip() for s in args.system.split(",") if s.strip()]
     batches = _batches(args.batch)
+    if args.speculative is not None or args.acceptance is not None:
+        if args.speculative is None:
+            raise UserError("--acceptance L goes with --speculative K")
+        rows = speculative_report(args, systems, batches)
+        if args.json:
+            json.dump(rows, sys.stdout, indent=2, default=float)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(format_speculative(rows))
+        return 0
     plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
     if (args.routed_across_formats or args.measured_from) and not args.routed_from:
         raise UserError("--routed-across-formats and --measured-from go with --routed-from")

@@ -38,12 +38,24 @@ class SpeculativeError(UserError):
 
 
 def check_k(k: int, batch: int = 1):
+    """Refuse k drafts per step that are fewer than one or do not fit the kernel's rows at `batch`."""
     if k < 1:
         raise SpeculativeError(f"--speculative must be at least 1 draft, found {k}")
     if k > max_drafts(batch):
         raise SpeculativeError(f"--speculative {k}: a verify step of batch {batch} x (1 + {k}) = "
                                f"{batch * (1 + k)} rows exceeds the {MAX_ROWS} rows a step allows "
                                f"(k <= {max_drafts(batch)} at batch {batch})")
+
+
+def check_fixed_acceptance(fixed_acceptance: int | None, k: int):
+    """Refuse a fixed acceptance length L outside 1..k + 1 (L - 1 accepted drafts of k)."""
+    if fixed_acceptance is not None and not 1 <= fixed_acceptance <= k + 1:
+        raise SpeculativeError(f"--fixed-acceptance-length must lie in 1..{k + 1} (1 + --speculative), "
+                               f"found {fixed_acceptance}")
+
+
+FIXED_NOTE = ("tokens not meaningful: --fixed-acceptance-length L forces L - 1 accepted drafts every step "
+              "(a speed measurement at a chosen acceptance length)")
 
 
 def context_for(prompt_len: int, max_new_tokens: int, k: int, ctx: int | None = None) -> int:
@@ -204,9 +216,7 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     prompt = _prompt_rows(prompt)
     B, T0 = prompt.shape
     check_k(k, B)
-    if fixed_acceptance is not None and not 1 <= fixed_acceptance <= k + 1:
-        raise SpeculativeError(f"--fixed-acceptance-length must lie in 1..{k + 1} (1 + --speculative), "
-                               f"found {fixed_acceptance}")
+    check_fixed_acceptance(fixed_acceptance, k)
     T = 1 + k
     ctx = context_for(T0, max_new_tokens, k, ctx)
     ref._check_tokens(prompt, cfg, ctx)
@@ -315,13 +325,26 @@ def accept_on_device(logits, drafts, pos, temperature: float, top_p: float, seed
     return count, bonus
 
 
+def force_acceptance(logits, fixed_acceptance):
+    """The acceptance of a speed measurement at acceptance length L = fixed_acceptance (an int or a
+    traced int32 scalar), traceable: logits [B, 1 + k, V] -> (count [B] = L - 1, bonus [B] = the
+    argmax of verify row L - 1), int32; the drafts are taken whatever they are, so the tokens are
+    not meaningful (`FIXED_NOTE`)."""
+    count = jnp.full(logits.shape[:1], fixed_acceptance - 1, jnp.int32)
+    row = jnp.take_along_axis(logits, count[:, None, None], 1)[:, 0]
+    return count, jnp.argmax(row, -1).astype(jnp.int32)
+
+
 def speculative_chunk(verify, commit, dc, weights, dparams, cache, dcache, s, *, n: int, k: int,
-                      aux: bool, temperature: float, top_p: float, seed: int, stop_ids: tuple[int, ...], pad: int):
+                      aux: bool, temperature: float, top_p: float, seed: int, stop_ids: tuple[int, ...], pad: int,
+                      fixed: bool = False):
     """Up to n draft-verify-accept steps on the device -> (cache, dcache, state, tokens [B, n (1 + k)]
-    int32 (each row's emitted tokens first, then pad), done [B]).
+    int32 (each row's emitted tokens first, then pad), done [B]). fixed: every step accepts
+    state["fixed"] - 1 drafts (`force_acceptance`; a traced length, so one program serves every
+    L) instead of the acceptance rule.
 
     state: anchor [B], pos [B], done [B], count [B] (tokens emitted), max_new [], steps [],
-    accepted [B] (sum of acceptance lengths), row_steps [B]. A row emits its accepted drafts and the
+    accepted [B] (sum of acceptance lengths), row_steps [B], fixed [] (the fixed acceptance length). A row emits its accepted drafts and the
     bonus, cut at a stop id (emitted) or at max_new. A done row keeps its position (the rows step
     together; its states are then not used again), so positions stay within prompt + max_new + 2(1 + k)."""
     from mk.model import drafter as mkdrafter
@@ -341,7 +364,10 @@ def speculative_chunk(verify, commit, dc, weights, dparams, cache, dcache, s, *,
         with jax.named_scope("verify"):
             logits, block = verify(weights, cache, jnp.concatenate([s["anchor"][:, None], drafts], 1))
         with jax.named_scope("accept"):
-            count, bonus = accept_on_device(logits, drafts, s["pos"], temperature, top_p, seed)
+            if fixed:
+                count, bonus = force_acceptance(logits, s["fixed"])
+            else:
+                count, bonus = accept_on_device(logits, drafts, s["pos"], temperature, top_p, seed)
             if aux:
                 dcache = mkdrafter.observe(dparams, dcache, block["aux"], s["pos"], dc=dc)
             cache = commit(cache, block, count)
@@ -368,13 +394,20 @@ def speculative_chunk(verify, commit, dc, weights, dparams, cache, dcache, s, *,
 
 def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, ctx: int | None = None, verifier=None, chunk: int = 16,
-                    stop_ids=(), on_tokens=None) -> dict:
+                    stop_ids=(), on_tokens=None, fixed_acceptance: int | None = None,
+                    programs: dict | None = None) -> dict:
     """`generate` with the draft-verify-accept steps on the device (`speculative_chunk`, up to
     `chunk` steps per dispatch, the next dispatched before the previous is read, as `mk.model.loop`).
     drafter: a `mk.model.drafter.DSparkDrafter` (its JAX functions run inside the loop); verifier:
     `ReferenceVerifier` (default) or `mk.kernel.step.KernelVerifier`. Prefill and the first token as
     `generate`. Returns tokens [B, max emitted] (pad -1), lengths, acceptance means and timings as
-    `generate` (acceptance: mean length per row), plus chunk, chunks."""
+    `generate` (acceptance: mean length per row), plus chunk, chunks.
+
+    fixed_acceptance L (1..k + 1): every step on the device accepts L - 1 drafts, emits them and the
+    bonus, and rolls the cache forward by L (speed at a chosen acceptance length; the tokens are not
+    meaningful, and the result's "note" says so). programs: a dict the caller keeps across calls with
+    the same verifier (`mk bench --mode speculative`): the jitted chunk is made once per setting (one
+    for every fixed L: L is an input), so a warm-up run compiles what a timed run reuses."""
     import functools
     from mk.model.loop import PAD, drive
     prompt = _prompt_rows(prompt)
@@ -382,15 +415,21 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     if chunk < 1:
         raise SpeculativeError(f"--chunk must be at least 1 step, found {chunk}")
     check_k(k, B)
+    check_fixed_acceptance(fixed_acceptance, k)
     ctx = context_for(T0, max_new_tokens, k, ctx)
     ref._check_tokens(prompt, cfg, ctx)
     verifier = verifier or ReferenceVerifier(cfg)
     aux_layers = tuple(drafter.aux_layers)
     weights, verify, commit = verifier.traced(params, aux_layers)
     stop_ids = tuple(int(t) for t in stop_ids)
-    fn = jax.jit(functools.partial(speculative_chunk, verify, commit, drafter.dc, n=chunk, k=k, aux=bool(aux_layers),
-                                   temperature=temperature, top_p=top_p, seed=seed, stop_ids=stop_ids, pad=PAD),
-                 donate_argnums=(2, 3))
+    static = dict(n=chunk, k=k, aux=bool(aux_layers), temperature=temperature, top_p=top_p, seed=seed,
+                  stop_ids=stop_ids, pad=PAD, fixed=fixed_acceptance is not None)
+    programs = {} if programs is None else programs
+    key = (drafter.dc, *sorted(static.items()))
+    if key not in programs:
+        programs[key] = jax.jit(functools.partial(speculative_chunk, verify, commit, drafter.dc, **static),
+                                donate_argnums=(2, 3))
+    fn = programs[key]
 
     t0 = time.perf_counter()
     cache, dcache, anchor, pos = _prefill(params, prompt, drafter, k, ctx, verifier, verifier, temperature, top_p,
@@ -403,7 +442,7 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     state = {"anchor": jnp.asarray(head[:, 0]), "pos": jnp.asarray(pos, jnp.int32), "done": jnp.asarray(done),
              "count": jnp.ones((B,), jnp.int32), "max_new": jnp.asarray(max_new_tokens, jnp.int32),
              "steps": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((B,), jnp.int32),
-             "row_steps": jnp.zeros((B,), jnp.int32)}
+             "row_steps": jnp.zeros((B,), jnp.int32), "fixed": jnp.asarray(fixed_acceptance or 0, jnp.int32)}
     pieces = [head]
     (cache, dcache, state), chunks = drive(lambda c, d, s: fn(weights, drafter.params, c, d, s), (cache, dcache, state),
                                            done.all(), pieces, on_tokens)
@@ -420,7 +459,9 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
             "acceptance": [float(a) / max(int(n), 1) for a, n in zip(accepted, row_steps)],
             "mean_acceptance": float(accepted.sum()) / max(int(row_steps.sum()), 1),
             "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
-            "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx, "chunk": chunk, "chunks": chunks}
+            "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx, "chunk": chunk, "chunks": chunks,
+            "positions": np.asarray(state["pos"]) - T0, "fixed_acceptance": fixed_acceptance,
+            **({"note": FIXED_NOTE} if fixed_acceptance is not None else {})}
 
 
 

@@ -694,6 +694,19 @@ def generate_row(step, cfg: K3Config, batch: int, tokens: np.ndarray, steps: int
     return row
 
 
+def check_mode_options(impls: Sequence[str], allowed: Sequence[str], mode: str, experts: str) -> tuple[str, ...]:
+    """The impls of a `--mode` bench as a tuple, after refusing (BenchError) an impl it does not run
+    or an expert format that is not bf16 or mxfp4."""
+    impls = tuple(impls)
+    bad = [i for i in impls if i not in allowed]
+    if bad or not impls:
+        raise BenchError(f"--impl: unknown {bad or 'empty list'} for --mode {mode}; expected some of "
+                         f"{', '.join(allowed)}")
+    if experts not in ("bf16", "mxfp4"):
+        raise BenchError(f"--experts: expected bf16 or mxfp4, found {experts!r}")
+    return impls
+
+
 def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16",
                      impls: Sequence[str] = GENERATE_IMPLS, steps: int = 128, chunk: int = 16, *, seed: int = 0,
                      ctx: int = CTX, device_steps: int = 5, host_steps: int = 20, mxfp4_unpack: str = "auto",
@@ -708,13 +721,7 @@ def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), exper
     from mk.perf import baseline
 
     require_tpu()
-    impls = tuple(impls)
-    bad = [i for i in impls if i not in GENERATE_IMPLS]
-    if bad or not impls:
-        raise BenchError(f"--impl: unknown {bad or 'empty list'} for --mode generate; expected some of "
-                         f"{', '.join(GENERATE_IMPLS)}")
-    if experts not in ("bf16", "mxfp4"):
-        raise BenchError(f"--experts: expected bf16 or mxfp4, found {experts!r}")
+    impls = check_mode_options(impls, GENERATE_IMPLS, "generate", experts)
     bad = [b for b in batches if not 1 <= b <= MAX_ROWS]
     if bad or not batches:
         raise BenchError(f"--batch: each batch must lie in 1..{MAX_ROWS}, found {list(batches)}")

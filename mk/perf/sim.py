@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+
+import numpy as np
 from typing import Any, Sequence
 
 from mk.model.config import K3Config
@@ -937,3 +939,69 @@ def sensitivity(cfg: K3Config, system: str = "tpu-v7x16", batches: Sequence[int]
             t["ratio_low"], t["ratio_high"] = (t["low"] / pub, t["high"] / pub) if pub else (None, None)
             t["ratio_base"] = t["base"] / pub if pub else None
     return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Speculative decoding: a verify step of batch x (1 + k) rows, the drafter's pass, L tokens a step
+# ------------------------------------------------------------------------------------------------
+def drafter_config(cfg: K3Config):
+    """The drafter a speculative run of `cfg` uses: DSpark's own (spec 4.1, `DraftConfig()`) for K3,
+    else `mk.model.drafter.config_for(cfg)`, the small drafter `mk generate` and `mk bench` draw."""
+    from mk.model import drafter
+    from mk.model.config import get_config
+    return drafter.DraftConfig() if cfg == get_config("k3") else drafter.config_for(cfg)
+
+
+def drafter_bytes(dc, batch: int, k: int, context: int = DEFAULT_CONTEXT) -> float:
+    """HBM bytes of one step's drafter work (`mk.model.drafter.draft` then `observe`), bf16: every
+    layer's weights, the lm_head, the Markov head's w2 once per draft and w1's k rows, the k
+    embedding rows, the context keys / values attended (up to the window) and written (1 + k rows),
+    `fc` over the 1 + k aux rows; the verify step's logits [B, 1 + k, V] f32, read once by the
+    acceptance."""
+    from mk.model.drafter import layout
+    shapes = layout(dc)
+    per_layer = sum(int(np.prod(s)) for n, s in shapes.items() if n.startswith("layers."))
+    kv_row = 2 * dc.kv_heads * dc.head_dim * dc.layers            # one position's keys and values
+    attended = min(context, dc.window)
+    weights = per_layer + dc.vocab * dc.hidden + k * dc.vocab * dc.markov_rank + int(np.prod(shapes["fc.weight"]))
+    rows = batch * (k * (dc.hidden + dc.markov_rank) + (attended + 1 + k) * kv_row)
+    return 2.0 * (weights + rows) + 4.0 * batch * (1 + k) * dc.vocab
+
+
+def speculative(cfg: K3Config, batch: int, k: int, acceptance: float, system="tpu-v7x16", *,
+                context: int = DEFAULT_CONTEXT, plans: Sequence[str] = PLANS, **predict_kw) -> dict:
+    """Modelled speculative decoding at acceptance length `acceptance` (tokens a step, 1..k + 1):
+    a verify step of batch x (1 + k) rows (`predict` at that many rows: the same weight traffic and
+    MoE activation as a decode step of those rows; the KDA row chaining is not modelled), plus the
+    drafter's pass at the system's DMA stream rate (`drafter_bytes`; on a system of several devices
+    its weights assumed split over them, as the target's), against plain decoding's step of `batch`
+    rows. Per plan: verify_s, drafter_s, step_s, tokens_per_s = batch x acceptance / step_s,
+    plain_tokens_per_s, speedup, drafter_share; plus the seed's published DSpark tokens/s where
+    data/published.csv has it (`dspark_al<L>`, read after the model)."""
+    if not 1 <= acceptance <= k + 1:
+        raise SimError(f"--acceptance must lie in 1..{k + 1} (1 + --speculative), found {acceptance:g}")
+    if batch * (1 + k) > planlib.MAX_ROWS:
+        raise SimError(f"--speculative {k}: a verify step of batch {batch} x (1 + {k}) = {batch * (1 + k)} rows "
+                       f"exceeds the {planlib.MAX_ROWS} rows a step allows (k <= {planlib.max_drafts(batch)} at "
+                       f"batch {batch})")
+    s = _system(system)
+    verify = predict(cfg, batch * (1 + k), s, context=context, plans=plans, **predict_kw)
+    plain = predict(cfg, batch, s, context=context, plans=plans, **predict_kw)
+    dc = drafter_config(cfg)
+    drafter_s = drafter_bytes(dc, batch, k, context) / s.devices / s.value("dma_bw")
+    out = {"system": s.name, "batch": batch, "k": k, "acceptance": acceptance, "rows": batch * (1 + k),
+           "context": context, "drafter": f"{'DSpark (spec 4.1)' if dc.hidden == 7168 else 'config_for(cfg)'}: "
+           f"{dc.layers} layer(s), hidden {dc.hidden}", "drafter_assumption": "weights split over the devices"
+           if s.devices > 1 else None}
+    for p in verify["_results"]:
+        v, d = verify["_results"][p].step_time, plain["_results"][p].step_time
+        step = v + drafter_s
+        out[p] = {"verify_s": v, "drafter_s": drafter_s, "step_s": step, "decode_step_s": d,
+                  "verify_over_decode": v / d, "drafter_share": drafter_s / step,
+                  "tokens_per_s": batch * acceptance / step, "plain_tokens_per_s": batch / d,
+                  "speedup": batch * acceptance / step / (batch / d)}
+    if float(acceptance).is_integer():
+        pub = hwlib.published_value(s.published_system, f"dspark_al{int(acceptance)}", batch)
+        if pub and "seed" in out:
+            out["published_tok_s"], out["ratio"] = pub, out["seed"]["tokens_per_s"] / pub
+    return out
