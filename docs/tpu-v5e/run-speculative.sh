@@ -11,7 +11,17 @@
 # CONFIG: k3-chip (default) or k3-d48. Each step's stdout is $OUT/NAME.out (JSON), stderr $OUT/NAME.log;
 # a bench cut short by its time limit still has every finished case in its .log ("bench: row {...}").
 config=${1:-k3-chip}
-STEP_PAUSE=3 source docs/tpu-v5e/steps.sh
+set -u
+export OUT=${OUT:-tpu-out}; mkdir -p "$OUT"
+source .whl-tpu/env.sh
+export JAX_PLATFORMS=tpu,cpu     # the chip, and JAX's CPU backend (mk check's oracle)
+step() {   # step NAME SECONDS CMD...: one program alone on the chip; stdout to $OUT/NAME.out, stderr to
+  local name=$1 secs=$2; shift 2   # $OUT/NAME.log; prints its exit status and wall time
+  local t0=$(date +%s)
+  timeout "$secs" "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"
+  echo "$name rc=$? $(( $(date +%s) - t0 ))s"
+  sleep 3                          # let the chip free before the next program
+}
 step spec-bench-$config 330 python3 -m mk bench --mode speculative --config $config --experts bf16 --batch 1 \
   --impl kernel --speculative 3,7 --acceptance ${SPEC_ACCEPTANCE:-1,6} --steps 32 --json
 for run in 1 2; do
