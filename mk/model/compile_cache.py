@@ -51,16 +51,24 @@ def writable(path: Path) -> str | None:
     return None
 
 
-def enable(path: str | os.PathLike | None = None) -> dict | None:
-    """Turn JAX's persistent compilation cache on at `path` (default `default_dir()`), before the
-    first compile. Returns `info(path)`, or None (and one warning line on stderr) where the
-    directory cannot be written: the run goes on uncached."""
-    import jax
-
+def usable(path: str | os.PathLike | None = None) -> Path | None:
+    """`path` (default `default_dir()`) if it can hold the cache, else None after one warning line on
+    stderr (the run goes on uncached)."""
     path = Path(path).expanduser() if path is not None else default_dir()
     why = writable(path)
     if why is not None:
         print(f"warning: compile cache {path} not writable ({why}); running uncached", file=sys.stderr)
+        return None
+    return path
+
+
+def enable(path: str | os.PathLike | None = None) -> dict | None:
+    """Turn JAX's persistent compilation cache on at `path` (default `default_dir()`), before the
+    first compile. Returns `info(path)`, or None where it is not `usable` (uncached)."""
+    import jax
+
+    path = usable(path)
+    if path is None:
         return None
     jax.config.update("jax_compilation_cache_dir", str(path))
     for name, value in SETTINGS.items():
@@ -69,8 +77,11 @@ def enable(path: str | os.PathLike | None = None) -> dict | None:
 
 
 def environment(path: str | os.PathLike | None = None) -> dict[str, str]:
-    """The environment variables that turn the same cache on in a child process (a notebook kernel)."""
-    path = Path(path).expanduser() if path is not None else default_dir()
+    """The environment variables that turn the same cache on in a child process (a notebook kernel);
+    {} where it is not `usable`."""
+    path = usable(path)
+    if path is None:
+        return {}
     return {"JAX_COMPILATION_CACHE_DIR": str(path), **{k.upper(): str(v) for k, v in SETTINGS.items()}}
 
 
