@@ -132,6 +132,7 @@ def test_speculative_json(capsys, tiny_dir, tmp_path):
      "--fixed-acceptance-length runs on the host loop"),
     (["--prompt-tokens", ",".join(["1"] * 130), "--ctx", "128"], "exceed --ctx 128"),
     (["--prompt-tokens", "1", "--checkpoint", "/nonexistent"], "give --config or --checkpoint, not both"),
+    (["--prompt-tokens", "1", "--experts", "mxfp4"], "--experts mxfp4 draws random MXFP4 experts for --backend kernel"),
 ])
 def test_user_errors(capsys, tiny_dir, argv, message):
     code, out, err = cli(capsys, "--config", tiny_dir, *argv)

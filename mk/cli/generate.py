@@ -108,6 +108,9 @@ def _check_options(args):
         raise GenerateError(f"--top-p must lie in (0, 1], found {args.top_p}")
     if args.ctx is not None and (args.ctx <= 0 or args.ctx % 128):
         raise GenerateError(f"--ctx must be a positive multiple of 128, found {args.ctx}")
+    if args.experts == "mxfp4" and (args.backend != "kernel" or args.checkpoint is not None):
+        raise GenerateError("--experts mxfp4 draws random MXFP4 experts for --backend kernel (a checkpoint brings "
+                            "its own format)")
     if args.checkpoint is not None and args.config is not None:
         raise GenerateError("give --config or --checkpoint, not both (a checkpoint brings its own config)")
     if args.prompt is not None and args.checkpoint is None:
@@ -199,8 +202,8 @@ def run(args) -> int:
         params = (ckpt.load(args.checkpoint, progress=on_terminal(not args.json), experts=experts) if mesh is None
                   else ckpt.load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.json), experts=experts))
     else:
-        from mk.model.params import init
-        params = init(cfg, args.seed)
+        from mk.model.params import init, init_fast
+        params = init(cfg, args.seed) if args.experts == "bf16" else init_fast(cfg, args.seed, "mxfp4")
         if mesh is not None:
             from mk.model.reference_sharded import shard_params
             params = shard_params(params, mesh)
@@ -399,6 +402,9 @@ def add_parser(subparsers):
     p.add_argument("--ctx", type=int, default=None,
                    help="cache capacity, a multiple of 128 (default: >= 256, enough for the run)")
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
+    p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
+                   help="random weights' routed experts: bf16, or packed MXFP4 (--backend kernel; "
+                        "mk.model.params.init_fast, drawn on the device)")
     p.add_argument("--json", action="store_true", help="print tokens and timings as one JSON object")
     p.add_argument("--speculative", type=int, default=None, metavar="K",
                    help="speculative decoding with K drafts per step (either backend)")
