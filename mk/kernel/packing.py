@@ -44,12 +44,11 @@ def _dense_matrix(ws, cfg: K3Config, m: Matrix, latent_offset: int = 0):
     for p, w in zip(m.parts, ws):
         w = _bf16(w)
         col = p.offset + (latent_offset if p.source == ("moe", "latent_down") else 0)
-        if p.head_pad:                      # h heads of src lanes, each in a dst-lane slot
+        if p.head_pad:                      # h heads of src lanes, each in a dst-lane slot (zeros between)
             h, src, dst = p.head_pad
-            for j in range(h):
-                out = out.at[row:row + w.shape[0], col + j * dst:col + j * dst + src].set(w[:, j * src:(j + 1) * src])
-        else:
-            out = out.at[row:row + w.shape[0], col:col + w.shape[1]].set(w)
+            w = jnp.pad(w[:, :h * src].reshape(w.shape[0], h, src), ((0, 0), (0, 0), (0, dst - src)))
+            w = w.reshape(w.shape[0], h * dst)[:, :(h - 1) * dst + src]
+        out = out.at[row:row + w.shape[0], col:col + w.shape[1]].set(w)
     return out
 
 
@@ -125,7 +124,7 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0, device=None, *, stream
         params = local_params(params, plan.layout, rank)
     if device is not None:
         params = jax.device_put(params, device)
-    out, bad = _pack_share(plan, rank, params)
+    out, bad = _pack_share(_Packing(plan), rank, params)
     if bool(bad):                                   # name the tensor and index, as the pieces do
         for piece in _pieces(plan, rank):
             _check_piece(plan, piece, piece.read(params))
@@ -138,20 +137,74 @@ def _check_rank(plan: Plan, rank: int):
         raise PlanError(f"rank {rank} outside the plan's {plan.devices} devices")
 
 
+def pack_key(plan: Plan) -> tuple:
+    """What `pack_weights` reads from a plan besides the params: equal keys, equal packs."""
+    return (plan.config, plan.layout, plan.tile_k, plan.tile_n, plan.streams, plan.expert_gu, plan.expert_down,
+            plan.vector_width, plan.latent_offsets, plan.dense_tiles, plan.experts, plan.mxfp4_unpack)
+
+
+class _Packing:
+    """A plan as the packer's programs' static argument: equal when their `pack_key`s are (plans that
+    differ in batch, context or schedule share one program)."""
+    __slots__ = ("plan", "key", "_hash")
+
+    def __init__(self, plan: Plan):
+        self.plan, self.key = plan, pack_key(plan)
+        self._hash = hash(self.key)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, _Packing) and (self is other or self.key == other.key)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _pack_share(plan: Plan, rank: int, share: dict):
+def _pack_share(packing: _Packing, rank: int, share: dict):
     """Rank `rank`'s packed arrays from its share of the parameters (arrays, `embed` left out), in
     one program: every piece of `_pieces` laid out and written at its place. Also returns whether
     any MXFP4 scale byte is one the kernel cannot unpack exactly (`_bad_scales`; the caller names it)."""
+    plan = packing.plan
     from mk.kernel.aot import kernel_weight_shapes
-    out = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in kernel_weight_shapes(plan).items() if k != "embed"}
+    blocks: dict[str, list] = {}
     bad = jnp.zeros((), bool)
     for piece in _pieces(plan, rank):
         arrays = piece.read(share)
         bad |= _bad_scales(plan, piece, arrays)
         for (name, start), block in zip(piece.outs, _lay(plan, piece.lay, *arrays)):
-            out[name] = jax.lax.dynamic_update_slice(out[name], block, start)
+            blocks.setdefault(name, []).append((start, block))
+    out = {}
+    for name, (shape, dtype) in kernel_weight_shapes(plan).items():
+        if name != "embed":
+            out[name] = _assemble(blocks.get(name, []), shape, dtype)
     return out, bad
+
+
+def _assemble(blocks: list, shape, dtype):
+    """The array of `shape` that `blocks` ((start, block), covering it) tile, by concatenation along
+    the leading axes (pieces tile an array along at most its first three axes, in order): no
+    zero-filled array updated piece by piece."""
+    if not blocks:
+        return jnp.zeros(shape, dtype)
+    blocks = sorted(blocks, key=lambda sb: sb[0])
+
+    def join(bs, axis):                 # blocks equal in their starts' first `axis` entries
+        if axis == len(shape) - 1 or len(bs) == 1 and all(s == 0 for s in bs[0][0][axis + 1:]):
+            assert len(bs) == 1, "pieces overlap"
+            return bs[0][1]
+        groups: dict[int, list] = {}
+        for start, b in bs:
+            groups.setdefault(start[axis + 1], []).append((start, b))
+        parts = [join(g, axis + 1) for _, g in sorted(groups.items())]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis + 1)
+
+    groups: dict[int, list] = {}
+    for start, b in blocks:
+        groups.setdefault(start[0], []).append((start, b))
+    parts = [join(g, 0) for _, g in sorted(groups.items())]
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    assert out.shape == tuple(shape) and out.dtype == dtype, (out.shape, shape, out.dtype, dtype)
+    return out
 
 
 def _pack_streamed(plan: Plan, params: dict, rank: int, device) -> dict:
@@ -192,7 +245,7 @@ def pack_pieces(plan: Plan, params: dict, rank: int = 0, device=None):
     for piece in _pieces(plan, rank):
         arrays = jax.tree_util.tree_map(_host_or_device, piece.read(params))
         _check_piece(plan, piece, arrays)
-        blocks = _lay_jit(plan, piece.lay, *jax.device_put(arrays, device))
+        blocks = _lay_jit(_Packing(plan), piece.lay, *jax.device_put(arrays, device))
         for (name, start), block in zip(piece.outs, blocks):
             yield name, start, block
 
@@ -253,7 +306,7 @@ def _lay(plan: Plan, key: tuple, *arrays) -> tuple:
     return codes[None], scales[None]
 
 
-_lay_jit = jax.jit(_lay, static_argnums=(0, 1))
+_lay_jit = jax.jit(lambda packing, key, *arrays: _lay(packing.plan, key, *arrays), static_argnums=(0, 1))
 
 
 def _expert_chunks(plan: Plan, elem_bytes: int) -> list[slice]:
@@ -497,38 +550,50 @@ def _vector_sources(params: dict) -> tuple:
 
 
 def _vector_table(plan: Plan, latent_offset: int, src: dict):
-    """The per-layer vector table [L + 1, rows, width] f32 from `_vector_sources` (a share's)."""
+    """The per-layer vector table [L + 1, rows, width] f32 from `_vector_sources` (a share's): each
+    row gathered at once for every layer from the leaves stacked over their layers (a row a layer
+    has not is zero)."""
     cfg = plan.config
-    rows = vector_rows(cfg)
-    width = plan.vector_width
-    table = [[None] * len(rows) for _ in range(cfg.layers + 1)]
+    rows, width, L = vector_rows(cfg), plan.vector_width, cfg.layers
+    entries: dict[str, list] = {name: [] for name in rows}
 
-    def put(l, name, x, at=0):
-        x = jnp.asarray(x).astype(jnp.float32).reshape(-1)
-        table[l][rows[name]] = jnp.pad(x, (at, width - at - x.size))
+    def add(name, leaf, mapping, at=0):     # leaf [n, ...]: its row mapping[l] goes to layer l's row `name`
+        if mapping:
+            leaf = jnp.asarray(leaf).astype(jnp.float32)
+            entries[name].append((leaf.reshape(leaf.shape[0], -1), mapping, at))
 
-    for l in range(cfg.layers):
-        for key in ("attn_res", "mlp_res", "attn_norm", "ffn_norm"):
-            put(l, key, src[f"layer.{key}"][l])
-        i = cfg.family_index(l)
-        if cfg.is_mla(l):
-            put(l, "q_a_norm", src["mla.q_a_norm"][i])
-            put(l, "kv_a_norm", src["mla.kv_a_norm"][i])
-        else:
-            conv = jnp.asarray(src["kda.conv"][i]).astype(jnp.float32)          # [3, C, HD]
-            for j in range(3):
-                for t in range(cfg.conv_size):
-                    put(l, f"conv{j}_{t}", conv[j, t])
-            put(l, "a_log", jnp.repeat(jnp.asarray(src["kda.a_log"][i]).astype(jnp.float32), cfg.head_dim))
-            put(l, "dt_bias", src["kda.dt_bias"][i])
-            put(l, "o_norm", src["kda.o_norm"][i])
-        if l >= 1:
-            put(l, "router_bias", src["moe.router_bias"][l - 1])
-            put(l, "latent_norm", src["moe.latent_norm"][l - 1], latent_offset)
-    put(cfg.layers, "attn_res", src["output_res"])             # globals live in row set L
-    put(cfg.layers, "attn_norm", src["final_norm"])
-    zero = jnp.zeros((width,), jnp.float32)
-    return jnp.stack([jnp.stack([r if r is not None else zero for r in layer]) for layer in table])
+    every = {l: l for l in range(L)}
+    for key in ("attn_res", "mlp_res", "attn_norm", "ffn_norm"):
+        add(key, src[f"layer.{key}"], every)
+    mla = {l: cfg.family_index(l) for l in range(L) if cfg.is_mla(l)}
+    kda = {l: cfg.family_index(l) for l in range(L) if not cfg.is_mla(l)}
+    add("q_a_norm", src.get("mla.q_a_norm"), mla)
+    add("kv_a_norm", src.get("mla.kv_a_norm"), mla)
+    if kda:
+        conv = jnp.asarray(src["kda.conv"]).astype(jnp.float32)                 # [n, 3, C, HD]
+        for j in range(3):
+            for t in range(cfg.conv_size):
+                add(f"conv{j}_{t}", conv[:, j, t], kda)
+        add("a_log", jnp.repeat(jnp.asarray(src["kda.a_log"]).astype(jnp.float32), cfg.head_dim, axis=-1), kda)
+        add("dt_bias", src["kda.dt_bias"], kda)
+        add("o_norm", src["kda.o_norm"], kda)
+    moe = {l: l - 1 for l in range(1, L)}
+    add("router_bias", src["moe.router_bias"], moe)
+    add("latent_norm", src["moe.latent_norm"], moe, latent_offset)
+    add("attn_res", jnp.asarray(src["output_res"])[None], {L: 0})      # globals live in row set L
+    add("attn_norm", jnp.asarray(src["final_norm"])[None], {L: 0})
+    cols = []
+    for name, _ in sorted(rows.items(), key=lambda kv: kv[1]):
+        parts, idx, base = [], [None] * (L + 1), 0
+        for leaf, mapping, at in entries[name]:
+            parts.append(jnp.pad(leaf, ((0, 0), (at, width - at - leaf.shape[1]))))
+            for l, i in mapping.items():
+                idx[l] = base + i
+            base += leaf.shape[0]
+        parts.append(jnp.zeros((1, width), jnp.float32))
+        stacked = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        cols.append(stacked[np.array([base if i is None else i for i in idx])])
+    return jnp.stack(cols, axis=1)
 
 
 def pack_vectors(plan: Plan, params: dict, rank: int = 0):

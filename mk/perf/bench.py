@@ -277,8 +277,8 @@ def finish_row(row: dict, nbytes: dict, bw: dict) -> dict:
 # ---- the kernel's weights, shared across batches where the packing is the same ---------------------
 def pack_key(plan) -> tuple:
     """What `mk.kernel.packing.pack_weights` reads from a plan besides the params: equal keys, equal packs."""
-    return (plan.config, plan.layout, plan.tile_k, plan.tile_n, plan.streams, plan.expert_gu, plan.expert_down,
-            plan.vector_width, plan.latent_offsets, plan.dense_tiles, plan.experts, plan.mxfp4_unpack)
+    from mk.kernel.packing import pack_key
+    return pack_key(plan)
 
 
 def device_bytes_needed(cfg: K3Config, experts: str, impls: Sequence[str], batches: Sequence[int], ctx: int,
