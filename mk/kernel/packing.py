@@ -122,9 +122,8 @@ def pack_weights(plan: Plan, params: dict, rank: int = 0, device=None, *, stream
     if not plan.layout.single:
         from mk.model.sharding import local_params
         params = local_params(params, plan.layout, rank)
-    if device is not None:
-        params = jax.device_put(params, device)
-    out, bad = _pack_share(_Packing(plan), rank, params)
+    params = jax.device_put(params, device)          # once (numpy leaves: not again for every program)
+    out, bad = _pack_share(plan, rank, params)
     if bool(bad):                                   # name the tensor and index, as the pieces do
         for piece in _pieces(plan, rank):
             _check_piece(plan, piece, piece.read(params))
@@ -159,52 +158,51 @@ class _Packing:
         return isinstance(other, _Packing) and (self is other or self.key == other.key)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _pack_share(packing: _Packing, rank: int, share: dict):
-    """Rank `rank`'s packed arrays from its share of the parameters (arrays, `embed` left out), in
-    one program: every piece of `_pieces` laid out and written at its place. Also returns whether
-    any MXFP4 scale byte is one the kernel cannot unpack exactly (`_bad_scales`; the caller names it)."""
-    plan = packing.plan
+def _pack_share(plan: Plan, rank: int, share: dict):
+    """Rank `rank`'s packed arrays from its share of the parameters (arrays, `embed` left out, on
+    the device that packs): the arrays allocated once, then each group of pieces (one stream
+    layer's dense matrices, the vector table, one MoE layer's experts) laid out and written in place
+    by one program (`_pack_group`; the parameters passed by reference), so the device holds the
+    parameters, the packed arrays and one group's blocks at a time. Also returns whether any MXFP4
+    scale byte is one the kernel cannot unpack exactly (`_bad_scales`; the caller names it)."""
     from mk.kernel.aot import kernel_weight_shapes
-    blocks: dict[str, list] = {}
+    leaves = jax.tree_util.tree_leaves(share)
+    dev = next(iter(leaves[0].devices())) if leaves and isinstance(leaves[0], jax.Array) else None
+    out = {k: jnp.zeros(shape, dtype, device=dev)
+           for k, (shape, dtype) in kernel_weight_shapes(plan).items() if k != "embed"}
+    bad = []
+    key = _Packing(plan)
+    for g in dict.fromkeys(p.group for p in _pieces(plan, rank)):
+        names = _group_outputs(key, rank, g)
+        part, flag = _pack_group(key, rank, g, share, {n: out.pop(n) for n in names})
+        out.update(part)
+        bad.append(flag)
+    return out, any(bool(b) for b in bad)
+
+
+@functools.lru_cache(maxsize=64)
+def _group_pieces(key: "_Packing", rank: int) -> dict:
+    groups: dict = {}
+    for p in _pieces(key.plan, rank):
+        groups.setdefault(p.group, []).append(p)
+    return groups
+
+
+def _group_outputs(key: "_Packing", rank: int, group) -> tuple:
+    return tuple(dict.fromkeys(name for p in _group_pieces(key, rank)[group] for name, _ in p.outs))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def _pack_group(key: "_Packing", rank: int, group, share: dict, out: dict):
+    """`out` (donated: written in place) with the blocks of group `group`'s pieces at their places."""
+    plan = key.plan
     bad = jnp.zeros((), bool)
-    for piece in _pieces(plan, rank):
+    for piece in _group_pieces(key, rank)[group]:
         arrays = piece.read(share)
         bad |= _bad_scales(plan, piece, arrays)
         for (name, start), block in zip(piece.outs, _lay(plan, piece.lay, *arrays)):
-            blocks.setdefault(name, []).append((start, block))
-    out = {}
-    for name, (shape, dtype) in kernel_weight_shapes(plan).items():
-        if name != "embed":
-            out[name] = _assemble(blocks.get(name, []), shape, dtype)
+            out[name] = jax.lax.dynamic_update_slice(out[name], block, start)
     return out, bad
-
-
-def _assemble(blocks: list, shape, dtype):
-    """The array of `shape` that `blocks` ((start, block), covering it) tile, by concatenation along
-    the leading axes (pieces tile an array along at most its first three axes, in order): no
-    zero-filled array updated piece by piece."""
-    if not blocks:
-        return jnp.zeros(shape, dtype)
-    blocks = sorted(blocks, key=lambda sb: sb[0])
-
-    def join(bs, axis):                 # blocks equal in their starts' first `axis` entries
-        if axis == len(shape) - 1 or len(bs) == 1 and all(s == 0 for s in bs[0][0][axis + 1:]):
-            assert len(bs) == 1, "pieces overlap"
-            return bs[0][1]
-        groups: dict[int, list] = {}
-        for start, b in bs:
-            groups.setdefault(start[axis + 1], []).append((start, b))
-        parts = [join(g, axis + 1) for _, g in sorted(groups.items())]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis + 1)
-
-    groups: dict[int, list] = {}
-    for start, b in blocks:
-        groups.setdefault(start[0], []).append((start, b))
-    parts = [join(g, 0) for _, g in sorted(groups.items())]
-    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-    assert out.shape == tuple(shape) and out.dtype == dtype, (out.shape, shape, out.dtype, dtype)
-    return out
 
 
 def _pack_streamed(plan: Plan, params: dict, rank: int, device) -> dict:
@@ -259,10 +257,10 @@ class _Piece:
     """One piece of a share: `outs` ((name, start) of each block it makes), `read(params)` -> the
     arrays it is cut from (indexing only: jax, numpy and lazy trees alike), `lay` the static key
     of its layout function (`_lay`), `what` for error messages: (tensor, index of the first slot)."""
-    __slots__ = ("outs", "read", "lay", "what")
+    __slots__ = ("outs", "read", "lay", "what", "group")
 
-    def __init__(self, outs, read, lay, what=None):
-        self.outs, self.read, self.lay, self.what = outs, read, lay, what
+    def __init__(self, outs, read, lay, what=None, group=None):
+        self.outs, self.read, self.lay, self.what, self.group = outs, read, lay, what, group
 
 
 def _pieces(plan: Plan, rank: int) -> list[_Piece]:
@@ -270,13 +268,14 @@ def _pieces(plan: Plan, rank: int) -> list[_Piece]:
     cfg = plan.config
     off, at, out = plan.latent_offsets[rank], 0, []
     tiles_of = lambda m: (m.k_pad // plan.tile_k) * (m.n_pad // plan.tile_n)
-    for s in plan.streams:
+    for g, s in enumerate(plan.streams):
         for m in s.pre + s.post:
             out.append(_Piece(((("tiles", (at, 0, 0)),)),
-                              functools.partial(_dense_sources, cfg=cfg, m=m, layer=s.layer), ("dense", m, off)))
+                              functools.partial(_dense_sources, cfg=cfg, m=m, layer=s.layer), ("dense", m, off),
+                              group=("stream", g)))
             at += tiles_of(m)
     assert at == plan.dense_tiles, (at, plan.dense_tiles)
-    out.append(_Piece((("vectors", (0, 0, 0)),), _vector_sources, ("vectors", off)))
+    out.append(_Piece((("vectors", (0, 0, 0)),), _vector_sources, ("vectors", off), group=("vectors",)))
     mx = plan.experts == "mxfp4"
     gu_tiles = plan.expert_gu.tiles
     for i in range(cfg.n_moe):
@@ -285,9 +284,10 @@ def _pieces(plan: Plan, rank: int) -> list[_Piece]:
                 read = functools.partial(_expert_sources, keys=keys, layer=i, ex=ex, mxfp4=mx)
                 if mx:
                     outs = (("expert_codes", (i, ex.start, t0, 0, 0)), ("expert_scales", (i, ex.start, t0, 0, 0)))
-                    out.append(_Piece(outs, read, ("mxfp4", part), (keys, i, ex.start)))
+                    out.append(_Piece(outs, read, ("mxfp4", part), (keys, i, ex.start), ("moe", i)))
                 else:
-                    out.append(_Piece((("experts", (i, ex.start, t0, 0, 0)),), read, ("bf16", part), (keys, i, ex.start)))
+                    out.append(_Piece((("experts", (i, ex.start, t0, 0, 0)),), read, ("bf16", part), (keys, i, ex.start),
+                                      ("moe", i)))
     return out
 
 
