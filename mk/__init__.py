@@ -11,6 +11,9 @@ A house in layers, each package importing only the ones below it (tests/test_lay
     mk.errors     the user-facing error base                                      (bottom)
 """
 import os as _os
+import time as _time
+
+STARTED = _time.perf_counter()       # the clock of a command's timeline (`mk.cli.common.Timeline`)
 
 # XLA must round at every bf16 point the spec names (spec 3.9); by default XLA CPU keeps fused
 # bf16 intermediates in fp32, which silently skips rounding points. Set before any backend starts.

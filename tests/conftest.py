@@ -9,6 +9,10 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The commands' persistent compile cache (mk.model.compile_cache): a folder of this session, never the user's.
+if "MK_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["MK_CACHE_DIR"] = tempfile.mkdtemp(prefix="mk-test-cache-")
 
 import pytest  # noqa: E402
 

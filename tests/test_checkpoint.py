@@ -116,8 +116,8 @@ def test_lazy_params_read_the_bits_load_returns(ckpt, experts):
 
 
 def test_kernel_weights_packed_from_lazy_params_are_the_loaded_trees(ckpt):
-    """pack_weights reads the same bits slot by slot as from the loaded tree, into 64-byte
-    aligned arrays (handed to JAX without a copy on CPU)."""
+    """pack_weights reads the same bits slot by slot (a lazy tree: piece by piece) as from the
+    loaded tree (one program)."""
     from mk.kernel.plan import make_plan
     from mk.kernel.packing import pack_weights
 
@@ -128,7 +128,6 @@ def test_kernel_weights_packed_from_lazy_params_are_the_loaded_trees(ckpt):
     assert sorted(got) == sorted(want)
     for k in want:
         assert _bits(got[k]) == _bits(want[k]), k
-        assert got[k].ctypes.data % 64 == 0, k
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "bf16"])

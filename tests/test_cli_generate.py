@@ -139,6 +139,7 @@ def test_speculative_json(capsys, tiny_dir, tmp_path):
      "--speculative 3: a verify step of batch 4 x (1 + 3) = 16 rows exceeds the 8 rows"),
     (["--prompt-tokens", ",".join(["1"] * 130), "--ctx", "128"], "exceed --ctx 128"),
     (["--prompt-tokens", "1", "--checkpoint", "/nonexistent"], "give --config or --checkpoint, not both"),
+    (["--prompt-tokens", "1", "--experts", "mxfp4"], "--experts mxfp4 draws random MXFP4 experts for --backend kernel"),
 ])
 def test_user_errors(capsys, tiny_dir, argv, message):
     code, out, err = cli(capsys, "--config", tiny_dir, *argv)
@@ -272,3 +273,47 @@ def test_speculative_device_loop(capsys, tiny_dir):
     streamed = gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "5", "--speculative", "2",
                    "--loop", "device")
     assert streamed.split() == [str(t) for t in plain["tokens"][0]]
+
+
+def _generate_process(cache_dir, *extra):
+    """`python -m mk generate --config mini ... --json` in a fresh process with MK_CACHE_DIR=cache_dir."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, MK_CACHE_DIR=str(cache_dir))
+    proc = subprocess.run([sys.executable, "-m", "mk", "generate", "--config", "mini", "--prompt-tokens", "1,2,3",
+                           "--max-new-tokens", "4", "--chunk", "2", "--json", *extra],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), proc.stderr
+
+
+@pytest.mark.slow
+def test_a_second_process_reuses_the_compile_cache(tmp_path):
+    """Two processes of the same command on mini: the second loads its programs from the persistent
+    compile cache (mk.model.compile_cache) and its compile_s is under 0.3 of the first's; the same
+    tokens; nothing compiled on either's clock; the timeline (in --json, and one line on stderr)."""
+    first, err = _generate_process(tmp_path / "jax")
+    second, _ = _generate_process(tmp_path / "jax")
+    assert second["tokens"] == first["tokens"]
+    assert first["cache"]["dir"] == str(tmp_path / "jax") and first["cache"]["entries"] > 0
+    assert second["cache"]["entries"] == first["cache"]["entries"]           # nothing new to store
+    assert second["compile_s"] < 0.3 * first["compile_s"], (first["compile_s"], second["compile_s"])
+    assert first["in_clock"]["compiles"] == second["in_clock"]["compiles"] == 0
+    phases = ["setup_s", "weights_s", "compile_s", "ttft_s", "decode_s", "total_s"]
+    assert list(first["timeline"]) == phases and first["timeline"]["compile_s"] == first["compile_s"]
+    assert sum(first["timeline"][k] for k in phases[:-1]) <= first["timeline"]["total_s"]
+    line = [ln for ln in err.splitlines() if ln.startswith("timeline: ")]
+    assert len(line) == 1 and "setup" in line[0] and str(tmp_path / "jax") in line[0]
+
+
+def test_an_unwritable_cache_warns_and_runs_uncached(capsys, tiny_dir, tmp_path, monkeypatch):
+    """MK_CACHE_DIR under a file (no folder can be made there): one warning line, the run goes on
+    uncached (cache null in --json); --no-cache asks for neither."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("MK_CACHE_DIR", str(blocker / "jax"))
+    code, out, err = cli(capsys, "--config", tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["cache"] is None
+    warning = [ln for ln in err.splitlines() if ln.startswith("warning: compile cache")]
+    assert len(warning) == 1 and "running uncached" in warning[0]
+    code, out, err = cli(capsys, "--config", tiny_dir, "--prompt-tokens", "1,2", "--max-new-tokens", "2", "--json",
+                         "--no-cache")
+    assert code == 0 and json.loads(out)["cache"] is None and "warning" not in err

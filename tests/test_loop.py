@@ -86,6 +86,37 @@ def test_bad_runs_are_one_line(params, kw, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_the_compile_count_sees_a_compile():
+    """The counter the clock's region uses (`mk.model.compile_cache.counting`) counts a new
+    program's compile and trace, and nothing for a second call of it."""
+    import jax
+    from mk.model.compile_cache import counting
+    f = jax.jit(lambda x: x * 3 + 1)
+    with counting() as first:
+        f(np.arange(5)).block_until_ready()
+    with counting() as again:
+        f(np.arange(5)).block_until_ready()
+    assert first.compiles == 1 and first.traces >= 1 and again.as_dict() == {"compiles": 0, "cache_loads": 0,
+                                                                                "traces": 0}
+
+
+NOTHING = {"compiles": 0, "cache_loads": 0, "traces": 0}
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel"])
+def test_nothing_compiles_on_the_clock(params, mode):
+    """The timed region (prefill, first token, chunks) compiles and traces nothing: `rehearse` ran
+    every program before it. Counted with jax.monitoring (`in_clock`): backend_compile_duration
+    events, which fire for every jit-cache miss that reaches XLA (a compile, or a load from the
+    persistent cache), and jaxpr traces. A fresh prompt length and limit, so nothing is left over
+    from other tests; 3 chunks, so later chunks (a chunk's cache, not the prefill's) are covered."""
+    from mk.perf import prefill
+    prompt = np.array([[7, 8, 9, 10, 11]] * 2, np.int32)
+    res = loop.generate(loop.reference_step(params, TINY), TINY, prompt, 8, ctx=CTX, chunk=3, params=params,
+                        prefill=prefill if mode == "parallel" else mode)
+    assert res["chunks"] == 3 and res["in_clock"] == NOTHING, res["in_clock"]
+
+
 def test_parallel_prefill(params, host_greedy):
     """The parallel prefill (mk.perf.prefill, handed in: not bit-exact with the token-by-token prefill,
     close enough here that greedy picks the same tokens), compiled ahead of the clock like the sequential one."""
@@ -107,6 +138,7 @@ def test_kernel_device_loop_is_the_host_loop(params, host_greedy, kernel_step_fn
     host = ref.generate(params, TINY, PROMPT, 4, ctx=CTX, step_fn=kernel_step_fn)["tokens"]
     res = loop.generate(loop.loop_step_of(kernel_step_fn, params, TINY), TINY, PROMPT, 4, ctx=CTX, chunk=2)
     assert res["tokens"].tolist() == host.tolist() == host_greedy[:, :4].tolist() and res["chunks"] == 2
+    assert res["in_clock"] == NOTHING, res["in_clock"]        # nothing compiled on the clock (above)
 
 
 def test_kernel_chunk_compiles_for_tpu_with_the_cache_in_place():
@@ -169,6 +201,7 @@ def test_speculative_device_loop_greedy(params, host_greedy, drafter):
     res = sp.device_generate(params, TINY, PROMPT, 8, drafter, 2, chunk=3)
     assert res["tokens"].tolist() == host["tokens"].tolist() == host_greedy[:, :8].tolist()
     assert res["lengths"].tolist() == [8, 8] and res["mean_acceptance"] == host["mean_acceptance"]
+    assert res["in_clock"] == NOTHING, res["in_clock"]        # the chunk compiled before the decode clock
     stop = int(host_greedy[0, 3])
     cut = sp.device_generate(params, TINY, PROMPT, 8, drafter, 2, chunk=3, stop_ids=(stop,))
     assert cut["lengths"].tolist() == [4, 8] and cut["tokens"][0, :4].tolist() == host_greedy[0, :4].tolist()

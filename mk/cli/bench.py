@@ -12,7 +12,8 @@ over it), device_speedup (this impl's device time / the kernel's), device_ops (f
 case did not run); peer rows: peer_format, their bytes counting the experts in it; kernel rows: best_other
 (the faster of xla and peer by device time), device_speedup_vs_best and speedup_vs_best (its device and
 wall time / the kernel's). `--tile TKxTN` sets the kernel's weight tile (default: the plan's per-model tile;
-the record's key then names it). Off a TPU it refuses (exit 2); so does --impl peer where tpu-inference is not
+the record's key then names it). `--ctx N`: the steps run at the last positions of an N-position cache,
+attending up to N positions (metadata ctx and first_position; the record's key names it). Off a TPU it refuses (exit 2); so does --impl peer where tpu-inference is not
 installed (`mk.perf.peer`: pip install --no-deps tpu-inference==0.26.0, the release for jax 0.10.2).
 
 `--mode generate` (`mk.perf.bench.measure_generate`, impls kernel and xla): decode tokens/s of the
@@ -38,7 +39,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mk.cli.common import at_least, int_list, positive_int
+from mk.cli.common import add_cache_option, at_least, ctx_int, int_list, positive_int, use_cache
 
 
 def add_parser(subparsers):
@@ -71,8 +72,14 @@ def add_parser(subparsers):
                    "plan's per-model tile, `mk.kernel.plan.default_tile`)")
     p.add_argument("--mxfp4-unpack", choices=("auto", "pairs", "pairs_mul", "shift", "bitcast"), default="auto",
                    help="how the kernel unpacks MXFP4 codes (`mk check --help`); default the chip's")
+    p.add_argument("--ctx", type=ctx_int, default=None,
+                   help="context length N (a multiple of 128): the cache holds N positions and the timed steps "
+                        "(and the profiled ones) end at its last, attending up to N positions, as the last steps "
+                        "of `mk generate` with that cache (default: a 256-position cache from position 0, each "
+                        "step attending its first block)")
     p.add_argument("--seed", type=at_least(0), default=0, help="weights and tokens seed")
     p.add_argument("--json", action="store_true", help="print {metadata, rows} as JSON")
+    add_cache_option(p)
     p.set_defaults(func=run)
 
 
@@ -101,6 +108,7 @@ def run(args) -> int:
         ks = int_list(args.speculative, "--speculative")
         lengths = int_list(args.acceptance, "--acceptance") if args.acceptance else None
         spec_bench.cases(batches, ks, lengths)
+    use_cache(args)
     bench.require_tpu()                                   # then: nothing is loaded or built on CPU
     cfg = get_config(args.config)
     if speculative:
@@ -108,10 +116,13 @@ def run(args) -> int:
     if generate:
         return _run_generate(args, bench, cfg, batches, impls)
     args.steps = args.steps or 20
+    ctx = args.ctx or bench.CTX
+    start = 0 if args.ctx is None else bench.last_positions(ctx, args.warmup + args.steps)
     rows = bench.measure(cfg, batches, args.experts, args.steps, args.warmup, impls, args.prefetch_depth,
-                         seed=args.seed, mxfp4_unpack=args.mxfp4_unpack, peer_format=peer_format, tile=tile)
+                         seed=args.seed, ctx=ctx, start=start, mxfp4_unpack=args.mxfp4_unpack,
+                         peer_format=peer_format, tile=tile)
     meta = bench.metadata(cfg, args.experts, args.steps, args.warmup,
-                          peer_format=peer_format if "peer" in impls else None)
+                          peer_format=peer_format if "peer" in impls else None, ctx=ctx, start=start)
     if args.json:
         from mk.perf.results import provenance
         record = provenance("bench", record_key(args, meta["config"], tile, batches, impls), bench.summary(rows))
@@ -135,6 +146,8 @@ def record_key(args, config: str, tile, batches: list[int], impls=("kernel", "xl
         key["prefetch_depth"] = ",".join(map(str, d)) if isinstance(d, (list, tuple)) else d
     if tile is not None:
         key["tile"] = f"{tile[0]}x{tile[1]}"
+    if getattr(args, "ctx", None) is not None:
+        key["ctx"] = args.ctx
     if not {1, 8} <= set(batches):
         key["batch"] = ",".join(map(str, batches))
     if "kernel" not in impls or not {"xla", "peer"} & set(impls):
@@ -144,8 +157,8 @@ def record_key(args, config: str, tile, batches: list[int], impls=("kernel", "xl
 
 def _run_generate(args, bench, cfg, batches, impls) -> int:
     steps = args.steps or 128
-    if args.prefetch_depth is not None or args.tile is not None:
-        raise bench.BenchError("--prefetch-depth and --tile are --mode step options")
+    if args.prefetch_depth is not None or args.tile is not None or args.ctx is not None:
+        raise bench.BenchError("--prefetch-depth, --tile and --ctx are --mode step options")
     rows = bench.measure_generate(cfg, batches, args.experts, impls, steps, args.chunk, seed=args.seed,
                                   mxfp4_unpack=args.mxfp4_unpack)
     meta = dict(bench.metadata(cfg, args.experts, steps, 1), mode="generate", chunk=args.chunk)

@@ -159,3 +159,45 @@ class CountingStep:
 
     def __getattr__(self, name):
         return getattr(self._fn, name)
+
+
+def add_cache_option(p) -> None:
+    """--no-cache, for the commands that keep compiled programs in mk's cache (`use_cache`)."""
+    p.add_argument("--no-cache", action="store_true",
+                   help="do not use the persistent compile cache (default: on, in $MK_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/mk/jax or ~/.cache/mk/jax; docs/cli.md says what invalidates it)")
+
+
+def use_cache(args) -> dict | None:
+    """Turn JAX's persistent compilation cache on unless --no-cache (`mk.model.compile_cache.enable`:
+    an unwritable directory warns in one line and runs uncached). Returns its info, or None (off)."""
+    if getattr(args, "no_cache", False):
+        return None
+    from mk.model import compile_cache
+    return compile_cache.enable()
+
+
+class Timeline:
+    """Where a command's seconds went, from mk's start (`mk.STARTED`): `mark(name)` closes a phase
+    at now; `add(name, seconds)` records one timed inside a library call. `as_dict()` gives the
+    phases in order and total_s (mk's start to now); `line()` the same in one line for stderr."""
+
+    def __init__(self):
+        import time
+        import mk
+        self._now, self._start, self._last, self.phases = time.perf_counter, mk.STARTED, mk.STARTED, {}
+
+    def mark(self, name: str) -> None:
+        now = self._now()
+        self.phases[name], self._last = now - self._last, now
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = seconds
+
+    def as_dict(self) -> dict:
+        return {**self.phases, "total_s": self._now() - self._start}
+
+    def line(self, cache: dict | None) -> str:
+        from mk.model.compile_cache import describe
+        parts = [f"{k.removesuffix('_s')} {v:.2f} s" for k, v in self.as_dict().items()]
+        return "timeline: " + ", ".join(parts) + f"; {describe(cache)}"

@@ -12,7 +12,10 @@ ends at [EOS] / <|end_of_msg|> (with `--prompt`) or after --max-new-tokens. `--j
 JSON object instead: tokens (one list per row), prompt_tokens, compile_s (prefill and chunk
 programs, before the clock starts), ttft_s (time to first token on the host), prefill_s,
 prefill_tokens_per_s, decode_s, tokens_per_s (decode tokens/s: tokens after each row's first /
-decode_s), chunk, chunks, decode_steps, backend, config, and the sampling settings. `--prefill
+decode_s), chunk, chunks, decode_steps, backend, config, the sampling settings, in_clock (what JAX
+compiled or traced while the clock ran: 0), timeline (seconds from mk's start: setup_s (imports,
+the devices found), weights_s, compile_s, ttft_s, decode_s, total_s; one line on stderr either way)
+and cache (the persistent compile cache: dir, entries, bytes; null with --no-cache). `--prefill
 sequential` (default) runs the prompt through the decode step token by token (no host sync); `parallel` calls
 `mk.perf.prefill` (all positions at once). `--loop host` is the per-token host loop
 (`mk.model.reference.generate`: prefill_s there includes compiling the step); multi-process runs
@@ -41,8 +44,8 @@ import json
 import math
 import sys
 
-from mk.cli.common import (CountingStep, add_step_options, check_vocab, nonnegative_int, on_terminal, progress,
-                           step_options, token_ids)
+from mk.cli.common import (CountingStep, Timeline, add_cache_option, add_step_options, check_vocab, nonnegative_int,
+                           on_terminal, progress, step_options, token_ids, use_cache)
 from mk.errors import UserError
 
 DEFAULT_CONFIG = "mini"
@@ -104,6 +107,9 @@ def _check_options(args):
         raise GenerateError(f"--top-p must lie in (0, 1], found {args.top_p}")
     if args.ctx is not None and (args.ctx <= 0 or args.ctx % 128):
         raise GenerateError(f"--ctx must be a positive multiple of 128, found {args.ctx}")
+    if args.experts == "mxfp4" and (args.backend != "kernel" or args.checkpoint is not None):
+        raise GenerateError("--experts mxfp4 draws random MXFP4 experts for --backend kernel (a checkpoint brings "
+                            "its own format)")
     if args.checkpoint is not None and args.config is not None:
         raise GenerateError("give --config or --checkpoint, not both (a checkpoint brings its own config)")
     if args.prompt is not None and args.checkpoint is None:
@@ -176,10 +182,16 @@ def run(args) -> int:
     if total > ctx:
         raise GenerateError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
                             f"= {total} exceed --ctx {ctx}")
+    clock = Timeline()
+    args.clock, args.cache = clock, use_cache(args)
+    import jax
+    jax.devices()
     if args.speculative is not None:
+        clock.mark("setup_s")
         return _run_speculative(args, cfg, prompt, tokenizer)
     from mk.cli.distributed import is_main_process, mesh_from_args
     mesh = mesh_from_args(args, cfg, args.backend)          # None: one device
+    clock.mark("setup_s")
     if args.checkpoint is not None:
         ckpt = _optional_module("mk.io.checkpoint", "--checkpoint")
         # the kernel streams the checkpoint's MXFP4 experts packed; the reference computes in bf16
@@ -187,8 +199,8 @@ def run(args) -> int:
         params = (ckpt.load(args.checkpoint, progress=on_terminal(not args.json), experts=experts) if mesh is None
                   else ckpt.load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.json), experts=experts))
     else:
-        from mk.model.params import init
-        params = init(cfg, args.seed)
+        from mk.model.params import init, init_fast
+        params = init(cfg, args.seed) if args.experts == "bf16" else init_fast(cfg, args.seed, "mxfp4")
         if mesh is not None:
             from mk.model.reference_sharded import shard_params
             params = shard_params(params, mesh)
@@ -197,6 +209,8 @@ def run(args) -> int:
     else:                                                   # the sharded reference over the mesh
         from mk.model.reference_sharded import step_fn_for
         step_fn = step_fn_for(cfg, mesh)
+    jax.block_until_ready(params)
+    clock.mark("weights_s")
     stop_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
     fields = {"backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
               "mesh": None if mesh is None else mesh.size, "batch": args.batch, "ctx": ctx,
@@ -264,16 +278,31 @@ def _run_device_loop(args, cfg, params, step_fn, prompt, tokenizer, stop_ids, ct
         stream.close()
     if not is_main_process():
         return 0
-    extra = {k: res[k] for k in ("compile_s", "ttft_s", "prefill_tokens_per_s", "chunk", "chunks", "decode_steps")}
+    extra = {k: res[k] for k in ("compile_s", "ttft_s", "prefill_tokens_per_s", "chunk", "chunks", "decode_steps",
+                                 "in_clock")}
     return _print_result(args, dict(res, tokens=loop.rows(res)), prompt, tokenizer,
                          dict(fields, prefill=args.prefill, **extra), printed=stream is not None)
 
 
+def _timeline(args, res: dict) -> dict:
+    """The run's timeline (`Timeline`: setup_s, weights_s, then compile_s, ttft_s and decode_s as the
+    loop timed them, total_s) and the compile cache's info (None: off); its line goes to stderr."""
+    from mk.model import compile_cache
+    for name in ("compile_s", "ttft_s", "decode_s"):
+        if res.get(name) is not None:
+            args.clock.add(name, res[name])
+    cache = args.cache and compile_cache.info(args.cache["dir"])          # as the run left it
+    print(args.clock.line(cache), file=sys.stderr)
+    return {"timeline": args.clock.as_dict(), "cache": cache}
+
+
 def _print_result(args, res: dict, prompt, tokenizer, fields: dict, printed: bool = False) -> int:
     """Print the generated rows (and their text), or with --json one object: tokens, prompt,
-    timings from `res`, then `fields`. printed: the rows were streamed already."""
+    timings from `res`, then `fields`, the timeline and the cache (`_timeline`, whose line goes to
+    stderr either way). printed: the rows were streamed already."""
     rows = [[int(t) for t in row] for row in res["tokens"]]
     texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
+    fields = dict(fields, **_timeline(args, res))
     if args.json:
         out = {"tokens": rows, "prompt_tokens": prompt, "prefill_s": res["prefill_s"], "decode_s": res["decode_s"],
                "tokens_per_s": res["tokens_per_s"], **fields}
@@ -314,6 +343,7 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         kernel = _optional_module("mk.kernel.step", "--backend kernel")
         verifier = kernel.KernelVerifier(params, cfg, args.batch, args.speculative, dcfg.aux_layers, ctx=ctx,
                                          mesh=args.mesh, **step_options(args))
+    args.clock.mark("weights_s")
     rows = np.tile(np.asarray(prompt, np.int32), (args.batch, 1))
     drafter = mkdrafter.DSparkDrafter(dcfg, weights)
     stream = None
@@ -327,7 +357,8 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         if stream is not None:
             stream.close()
         res = dict(res, tokens=[[int(t) for t in r[:n]] for r, n in zip(res["tokens"], res["lengths"])])
-        extra = {"chunk": res["chunk"], "chunks": res["chunks"], "row_mean_acceptance_lengths": res["acceptance"]}
+        extra = {"chunk": res["chunk"], "chunks": res["chunks"], "row_mean_acceptance_lengths": res["acceptance"],
+                 "compile_s": res["compile_s"], "in_clock": res["in_clock"]}
     else:
         res = speculative.generate(params, cfg, rows, args.max_new_tokens, drafter, args.speculative,
                                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,
@@ -372,6 +403,9 @@ def add_parser(subparsers):
     p.add_argument("--ctx", type=int, default=None,
                    help="cache capacity, a multiple of 128 (default: >= 256, enough for the run)")
     p.add_argument("--backend", choices=("reference", "kernel"), default="reference")
+    p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
+                   help="random weights' routed experts: bf16, or packed MXFP4 (--backend kernel; "
+                        "mk.model.params.init_fast, drawn on the device)")
     p.add_argument("--json", action="store_true", help="print tokens and timings as one JSON object")
     p.add_argument("--speculative", type=int, default=None, metavar="K",
                    help="speculative decoding with K drafts per step (either backend)")
@@ -390,6 +424,7 @@ def add_parser(subparsers):
                    help="sequential: the prompt through the decode step, token by token, without a host sync "
                         "(default); parallel: mk.perf.prefill, all positions at once")
     add_step_options(p)
+    add_cache_option(p)
     from mk.cli.distributed import add_distributed_args
     add_distributed_args(p, mesh=False)
     p.set_defaults(func=run)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import math
 
-from mk.cli.common import (add_step_options, ctx_int, int_list, nonnegative_int, positive_float, positive_int,
-                           progress, step_options)
+from mk.cli.common import (add_cache_option, add_step_options, ctx_int, int_list, nonnegative_int, positive_float,
+                           positive_int, progress, step_options, use_cache)
 from mk.errors import UserError
 
 
@@ -47,6 +47,7 @@ def add_parser(sub):
                         "shows the check fails a wrong kernel; exit 1 expected")
     p.add_argument("--json", action="store_true")
     add_step_options(p)
+    add_cache_option(p)
     p.set_defaults(func=run_check)
 
     p = sub.add_parser("aot", help="compile one decode step for a TPU topology on this machine")
@@ -130,6 +131,7 @@ def stacked(cfg, layers: int):
 
 def run_check(args) -> int:
     cfg = _config(args.config)
+    use_cache(args)
     from mk.kernel.check import check
     from mk.kernel.plan import make_plan
 

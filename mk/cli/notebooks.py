@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import sys
 
+from mk.cli.common import add_cache_option
 from mk.errors import UserError, creatable_dir
 
 
@@ -27,6 +28,7 @@ def add_parser(subparsers):
     p.add_argument("--render-figures", metavar="DIR",
                    help="instead of running: write DIR/figures/<name>.png for every plotly figure in the "
                         "executed notebooks DIR/*.ipynb (kaleido + a headless browser)")
+    add_cache_option(p)
     p.set_defaults(func=run)
 
 
@@ -81,7 +83,8 @@ def run(args) -> int:
     creatable_dir(args.out, "--out")
     params = {k: _literal(v) for k, v in args.parameter}
     results = run_all(args.out, params, only=args.only, html=not args.no_html, timeout=args.timeout,
-                      transport=args.transport, pause=args.pause, export=False if args.no_export else None)
+                      transport=args.transport, pause=args.pause, export=False if args.no_export else None,
+                      cache=not args.no_cache)
     for r in results:
         print(f"{r['notebook']:<32} {r['seconds']:7.1f} s  {'ok' if r['ok'] else 'FAILED'}")
     if args.no_export or not export_available():

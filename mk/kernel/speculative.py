@@ -401,7 +401,9 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     drafter: a `mk.model.drafter.DSparkDrafter` (its JAX functions run inside the loop); verifier:
     `ReferenceVerifier` (default) or `mk.kernel.step.KernelVerifier`. Prefill and the first token as
     `generate`. Returns tokens [B, max emitted] (pad -1), lengths, acceptance means and timings as
-    `generate` (acceptance: mean length per row), plus chunk, chunks.
+    `generate` (acceptance: mean length per row), plus chunk, chunks, compile_s (the chunk, compiled
+    after the prefill and before the decode clock: `mk.model.loop.warm_chunks`) and in_clock (what JAX
+    compiled while the decode clock ran, `mk.model.compile_cache.Counts`).
 
     fixed_acceptance L (1..k + 1): every step on the device accepts L - 1 drafts, emits them and the
     bonus, and rolls the cache forward by L (speed at a chosen acceptance length; the tokens are not
@@ -409,7 +411,8 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     the same verifier (`mk bench --mode speculative`): the jitted chunk is made once per setting (one
     for every fixed L: L is an input), so a warm-up run compiles what a timed run reuses."""
     import functools
-    from mk.model.loop import PAD, drive
+    from mk.model.compile_cache import counting
+    from mk.model.loop import PAD, drive, warm_chunks
     prompt = _prompt_rows(prompt)
     B, T0 = prompt.shape
     if chunk < 1:
@@ -444,9 +447,14 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
              "steps": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((B,), jnp.int32),
              "row_steps": jnp.zeros((B,), jnp.int32), "fixed": jnp.asarray(fixed_acceptance or 0, jnp.int32)}
     pieces = [head]
-    (cache, dcache, state), chunks = drive(lambda c, d, s: fn(weights, drafter.params, c, d, s), (cache, dcache, state),
-                                           done.all(), pieces, on_tokens)
-    t2 = time.perf_counter()
+    dispatch = lambda c, d, s: fn(weights, drafter.params, c, d, s)
+    t_compile = time.perf_counter()                  # the chunk compiled before the decode clock
+    cache, dcache, _ = warm_chunks(dispatch, (cache, dcache, dict(state, done=jnp.asarray(np.ones_like(done)))))
+    compile_s = time.perf_counter() - t_compile
+    with counting() as counts:
+        t_decode = time.perf_counter()
+        (cache, dcache, state), chunks = drive(dispatch, (cache, dcache, state), done.all(), pieces, on_tokens)
+        t2 = time.perf_counter()
     rows = [[int(t) for t in np.concatenate([p[b] for p in pieces]) if t != PAD] for b in range(B)]
     lengths = np.asarray([len(r) for r in rows], np.int32)
     tokens = np.full((B, int(lengths.max())), PAD, np.int32)
@@ -458,8 +466,9 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     return {"tokens": tokens, "lengths": lengths, "steps": steps,
             "acceptance": [float(a) / max(int(n), 1) for a, n in zip(accepted, row_steps)],
             "mean_acceptance": float(accepted.sum()) / max(int(row_steps.sum()), 1),
-            "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
-            "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx, "chunk": chunk, "chunks": chunks,
+            "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t_decode,
+            "tokens_per_s": emitted / max(t2 - t_decode, 1e-9), "ctx": ctx, "chunk": chunk, "chunks": chunks,
+            "compile_s": compile_s, "in_clock": counts.as_dict(),
             "positions": np.asarray(state["pos"]) - T0, "fixed_acceptance": fixed_acceptance,
             **({"note": FIXED_NOTE} if fixed_acceptance is not None else {})}
 

@@ -24,7 +24,7 @@ from mk.model.config import K3Config
 from mk.model.params import experts_format
 from mk.kernel.decode import commit, default_mesh, make_decode_step, make_verify_step, on_tpu
 from mk.kernel.plan import Plan, make_plan
-from mk.kernel.packing import pack_pieces, pack_weights
+from mk.kernel.packing import pack_weights
 
 
 # TPU interpret mode copies the kernel's inputs (the weights) into its simulated memory on every
@@ -59,8 +59,8 @@ _TRIM = None
 def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
     """Device arrays the kernel reads: packed tiles, experts, vector tables, the embedding.
 
-    On a mesh each device gets its own share (`pack_weights(plan, params, rank)`, put there by
-    `device_share`), the blocks of one global array per name, sharded along the leading axis by
+    On a mesh each device gets its own share (`pack_weights(plan, params, rank)`, packed there by
+    `device_share`: jitted, on the device), the blocks of one global array per name, sharded along the leading axis by
     `NamedSharding(mesh, P(ALL))`. Shares are packed one device at a time and only for this
     process's devices. `params` may be `mk.io.checkpoint.Checkpoint.lazy_params(...)`: slots are
     then read as they are packed, and beyond what the devices hold the host holds one piece (see
@@ -83,29 +83,12 @@ def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
 
 
 def device_share(plan: Plan, params: dict, rank: int, device, stream: bool | None = None) -> dict:
-    """Rank `rank`'s packed weights (the arrays of `pack_weights`) on `device`.
-
-    stream (default: unless `device` is a CPU): allocate each array on the device once and fill it
-    piece by piece as it is packed (`mk.kernel.packing.pack_pieces`: one dense matrix's tiles, or
-    one chunk of a layer's experts, written in place by a donated `dynamic_update_slice`), so the
-    host holds one piece at a time, not the share. A CPU device's memory is this host's, so there
-    the packed numpy arrays themselves become the device arrays (64-byte aligned: no copy)."""
-    if stream is None:
-        stream = device.platform != "cpu"
-    if not stream:
-        return {k: jax.device_put(x, device) for k, x in pack_weights(plan, params, rank).items()}
-    from mk.kernel.aot import kernel_weight_shapes
-    share = {k: jnp.zeros(shape, dtype, device=device)
-             for k, (shape, dtype) in kernel_weight_shapes(plan).items() if k != "embed"}
-    for name, start, piece in pack_pieces(plan, params, rank):
-        share[name] = jax.block_until_ready(_fill(share[name], piece, start))   # then the piece is freed
-    return share
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _fill(array, piece, start):
-    """`array` with `piece` written at index `start` (a tuple of ints), in place (`array` is donated)."""
-    return jax.lax.dynamic_update_slice(array, piece, start)
+    """Rank `rank`'s packed weights (the arrays of `pack_weights`) on `device`: packed there by one
+    jitted program from arrays (the parameters move to `device` first where they are not there), or
+    with `stream` (default: for a lazy tree, `Checkpoint.lazy_params`) read and packed piece by
+    piece into arrays allocated on `device` once (`mk.kernel.packing.pack_pieces`), so the host
+    holds one piece at a time, not the share."""
+    return pack_weights(plan, params, rank, device, stream=stream)
 
 
 def place_cache(cache: dict, mesh) -> dict:

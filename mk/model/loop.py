@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk.errors import UserError
-from mk.model import reference as ref
+from mk.model import compile_cache, reference as ref
 from mk.model.config import K3Config
 
 DEFAULT_CHUNK = 16
@@ -183,8 +183,9 @@ def _first_jitted(sampling: Sampling):
 def _sequential(fn, weights, cache, tokens):
     """tokens [B, T] one position at a time through the step -> (last logits [B, V], cache). Each
     position is one dispatch of the step's own jitted program (the one a host loop or a trace of the
-    step runs: no second compile), queued without a host sync."""
-    logits = None
+    step runs: no second compile), queued without a host sync; the columns are cut on the host
+    (numpy), so no indexing program is compiled per position."""
+    tokens, logits = np.asarray(tokens, np.int32), None
     for t in range(tokens.shape[1]):
         logits, cache = fn(weights, cache, tokens[:, t])[:2]
     return logits, cache
@@ -195,14 +196,17 @@ def make_prefill(mode, step: LoopStep, params: dict, cfg: K3Config):
 
     "sequential": the decode step over the prompt, token by token (`_sequential`; `mk.model.reference.generate`'s prefill).
     The module `mk.perf.prefill` (the parallel prefill; built from the fair XLA step's layers, it
-    lives in the perf layer, so the caller hands it in; anything with its `prefill`, `prefill_chunk`
-    and `DEFAULT_CHUNK` will do): the prompt's positions at once on `params` (bf16 or packed MXFP4
+    lives in the perf layer, so the caller hands it in; anything with its `prefill` and
+    `prefill_chunk` will do): the prompt's positions at once on `params` (bf16 or packed MXFP4
     experts); the caches have the reference's layout, which every step shares; not bit-exact with
-    the sequential prefill."""
+    the sequential prefill.
+
+    `prefill.rehearsal(tokens)` is the part of a prompt that runs every program the whole prompt
+    runs (`rehearse`): the first two positions for the sequential prefill (the first step takes a
+    placed cache, later ones a step's), the whole prompt for the parallel one (its last chunk's shape)."""
     if mode == "sequential":
         sequential = lambda cache, tokens: _sequential(step.fn, step.weights, cache, tokens)
-        if hasattr(step.fn, "lower"):                 # a jitted step: compiled ahead of the clock
-            sequential.compile = lambda cache, tokens: step.fn.lower(step.weights, cache, tokens[:, 0]).compile()
+        sequential.rehearsal = lambda tokens: tokens[:, :2]
         return sequential
     if not hasattr(mode, "prefill_chunk"):
         raise LoopError(f"--prefill must be one of {', '.join(PREFILL_MODES)}, found {mode!r}")
@@ -213,12 +217,33 @@ def make_prefill(mode, step: LoopStep, params: dict, cfg: K3Config):
         logits, cache = module.prefill(params, cache, tokens, cfg=cfg, experts=experts)
         return logits[:, -1], step.place(cache)
 
-    def compile_chunk(cache, tokens):             # the one program `prefill` runs per chunk of the prompt
-        c = min(module.DEFAULT_CHUNK, tokens.shape[1])
-        return module.prefill_chunk.lower(params, cache, tokens[:, :c], jnp.zeros((tokens.shape[0],), jnp.int32),
-                                          cfg=cfg, experts=experts).compile()
-    parallel.compile = compile_chunk
+    parallel.rehearsal = lambda tokens: tokens
     return parallel
+
+
+def rehearse(run_prefill, first, dispatch, cache: dict, tokens: np.ndarray, key) -> None:
+    """Run every program of a `generate` once, untimed, with arguments of the very kinds (shapes,
+    dtypes, shardings) the timed run passes, so that jit's own caches hold them when the clock runs
+    (compiled here, or loaded from the persistent compilation cache). An ahead-of-time
+    `.lower(...).compile()` does not do that: it fills no jit cache, and the arrays a real call
+    passes may carry other shardings than the abstract ones it lowered with.
+
+    On a scratch `cache`: the prefill of `run_prefill.rehearsal(tokens)`, the first token with a
+    limit of 0 new tokens (every row done: the state the loop's chunks take, with nothing left to
+    run), then `warm_chunks`."""
+    logits, cache = run_prefill(cache, run_prefill.rehearsal(tokens))
+    state = first(logits, key, 0)
+    jax.block_until_ready(warm_chunks(dispatch, (cache, state)))
+
+
+def warm_chunks(dispatch: Callable, carry: tuple) -> tuple:
+    """dispatch(*carry) -> (*carry, tokens, done) twice, for a loop whose state (carry[-1]) has every
+    row done: a chunk then runs no step and hands its carry back unchanged, so this costs two
+    dispatches and compiles both calls a loop makes (the first takes the prefill's carry, later ones
+    a chunk's, whose arrays may be laid out otherwise). Returns the carry after them."""
+    for _ in range(2):
+        carry = dispatch(*carry)[:-2]
+    return tuple(carry)
 
 
 # ---- the host driver ----------------------------------------------------------------------------
@@ -248,10 +273,12 @@ def generate(step: LoopStep, cfg: K3Config, prompt, max_new_tokens: int, *, samp
 
     on_tokens(tokens [B, n] int32, pad where a row emitted nothing) is called with the first token
     and then with each chunk as it reaches the host. Returns tokens [B, max emitted] (pad-filled),
-    lengths [B] (each row's emitted tokens, a stop id included), and timings: compile_s (the
-    prefill, first-token and chunk programs, before the clock starts), prefill_s and ttft_s (to the
-    first token on the host), decode_s (first token to the last chunk on the host), decode_steps,
-    tokens_per_s (tokens emitted after the first / decode_s), prefill_tokens_per_s, chunk, chunks."""
+    lengths [B] (each row's emitted tokens, a stop id included), and timings: compile_s (`rehearse`:
+    every program of the run compiled, or loaded from the persistent cache, and run once, before
+    the clock starts), prefill_s and ttft_s (to the first token on the host), decode_s (first token
+    to the last chunk on the host), decode_steps, tokens_per_s (tokens emitted after the first /
+    decode_s), prefill_tokens_per_s, chunk, chunks; in_clock: what JAX compiled and traced while
+    the clock ran (`mk.model.compile_cache.Counts`: all 0 when the rehearsal covered the run)."""
     prompt = np.asarray(prompt, np.int32)
     if prompt.ndim == 1:
         prompt = prompt[None]
@@ -262,30 +289,28 @@ def generate(step: LoopStep, cfg: K3Config, prompt, max_new_tokens: int, *, samp
     chunk_fn = make_chunk(step, chunk, sampling)
     first = _first_jitted(sampling)
 
+    dispatch = lambda cache, state: chunk_fn(step.weights, cache, state)
+    new_cache = lambda: step.place(ref.init_cache(cfg, B, ctx))
+    key = jax.random.PRNGKey(seed)
+
     t_compile = time.perf_counter()
-    tokens = jnp.asarray(prompt)
-    cache = step.place(ref.init_cache(cfg, B, ctx))
-    if hasattr(run_prefill, "compile"):           # compile ahead of the clock (jit reuses it)
-        run_prefill.compile(cache, tokens)
-    first_args = (jax.ShapeDtypeStruct((B, cfg.vocab), jnp.float32), jax.random.PRNGKey(0), max_new_tokens)
-    first.lower(*first_args).compile()
-    state_shape = jax.eval_shape(first, *first_args)
-    chunk_fn.lower(step.weights, cache, state_shape).compile()
+    rehearse(run_prefill, first, dispatch, new_cache(), prompt, key)
+    cache = jax.block_until_ready(new_cache())
     compile_s = time.perf_counter() - t_compile
 
-    t0 = time.perf_counter()
-    logits, cache = run_prefill(cache, tokens)
-    state = first(logits, jax.random.PRNGKey(seed), max_new_tokens)
-    head = np.asarray(state["tok"])[:, None]
-    t1 = time.perf_counter()
-    pieces = [head]
-    if on_tokens is not None:
-        on_tokens(head)
-    done = np.asarray(state["done"])
-    (cache, state), chunks = drive(lambda cache, state: chunk_fn(step.weights, cache, state), (cache, state),
-                                   done.all(), pieces, on_tokens)
-    steps = int(np.asarray(state["steps"]))
-    t2 = time.perf_counter()
+    with compile_cache.counting() as counts:          # the clock's region: no compile expected
+        t0 = time.perf_counter()
+        logits, cache = run_prefill(cache, prompt)
+        state = first(logits, key, max_new_tokens)
+        head = np.asarray(state["tok"])[:, None]
+        t1 = time.perf_counter()
+        pieces = [head]
+        if on_tokens is not None:
+            on_tokens(head)
+        done = np.asarray(state["done"])
+        (cache, state), chunks = drive(dispatch, (cache, state), done.all(), pieces, on_tokens)
+        steps = int(np.asarray(state["steps"]))
+        t2 = time.perf_counter()
     allt = np.concatenate(pieces, axis=1)
     lengths = (allt != sampling.pad).sum(axis=1)
     out = np.full((B, int(lengths.max())), sampling.pad, np.int32)
@@ -296,7 +321,7 @@ def generate(step: LoopStep, cfg: K3Config, prompt, max_new_tokens: int, *, samp
     return {"tokens": out, "lengths": lengths.astype(np.int32), "compile_s": compile_s, "prefill_s": t1 - t0,
             "ttft_s": t1 - t0, "prefill_tokens_per_s": prompt.size / max(t1 - t0, 1e-9), "decode_s": t2 - t1,
             "decode_steps": steps, "tokens_per_s": emitted / max(t2 - t1, 1e-9), "chunk": chunk, "chunks": chunks,
-            "ctx": ctx}
+            "ctx": ctx, "in_clock": counts.as_dict()}
 
 
 def rows(result: dict) -> list[list[int]]:

@@ -184,13 +184,14 @@ def local_index(spec: tuple, shape: tuple[int, ...], lay: Layout, rank: int) -> 
 
 
 def local_params(params: dict, lay: Layout, rank: int) -> dict:
-    """Rank `rank`'s share of a params tree (numpy arrays, no copy where slicing allows)."""
+    """Rank `rank`'s share of a params tree (numpy arrays, no copy where slicing allows; jax arrays,
+    traced ones too, are sliced where they are)."""
     import jax
 
     def take(path, x):
         keys = _path_keys(path)
         spec = param_spec(keys, np.ndim(x))
-        return np.asarray(x)[local_index(spec, np.shape(x), lay, rank)]
+        return (x if isinstance(x, jax.Array) else np.asarray(x))[local_index(spec, np.shape(x), lay, rank)]
     return jax.tree_util.tree_map_with_path(take, params)
 
 

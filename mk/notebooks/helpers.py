@@ -239,16 +239,9 @@ def free_device_memory():
 def _time_decode(step, weights, cfg: K3Config, batch: int, ctx: int, context: int, steps: int, warmup: int) -> dict:
     """Time `step(weights, cache, tokens)` (a `make_decode_step`) from position `context - 1`, as
     `mk bench` times its cases (`mk.perf.bench.time_steps`, `summarize`)."""
-    import jax.numpy as jnp
-
     from mk.perf import bench
-    from mk.model import reference as R
 
-    def new_cache():
-        cache = R.init_cache(cfg, batch, ctx)
-        cache["pos"] = jnp.full((batch,), context - 1, jnp.int32)
-        return cache
-
+    new_cache = lambda: bench.cache_at(cfg, batch, ctx, context - 1)
     last = {}
 
     def run(cache, tok):

@@ -231,7 +231,7 @@ def export_html(nb_path: Path, html_path: Path):
 def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[str] | None = None,
             html: bool = True, timeout: int = 900, directory: str | os.PathLike | None = None,
             root: str | os.PathLike | None = None, transport: str = "ipc",
-            export: bool | None = None, pause: float = 0.0) -> list[dict]:
+            export: bool | None = None, pause: float = 0.0, cache: bool = True) -> list[dict]:
     """Execute every notebook (of `directory`, default notebooks/) into `out`, each in its own
     kernel process; returns [{notebook, seconds, ok, error}].
 
@@ -241,7 +241,8 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
     `export`: HTML exports (if `html`) and figure files; None: where nbconvert is installed. Without
     it only the executed notebooks are written (figures named inside them: `render_figures`).
     `pause`: seconds to wait between notebooks (on a TPU VM the chip is free again only a moment
-    after the previous kernel process exited)."""
+    after the previous kernel process exited). `cache`: the kernels share mk's persistent compile
+    cache (`mk.model.compile_cache.environment`: JAX's own variables, which the kernel processes read)."""
     import papermill as pm
     manager = _kernel_manager(transport)
     if export is None:
@@ -255,7 +256,10 @@ def run_all(out: str | os.PathLike, parameters: dict | None = None, only: list[s
     figs = out / "figures"
     kernel = _kernel_name()
     repo = str(Path(root).resolve() if root else NOTEBOOK_DIR.parent)
-    saved = {k: os.environ.get(k) for k in (FIGURES_ENV, EXPORT_ENV, "PLOTLY_RENDERER", "PYTHONPATH")}
+    from mk.model import compile_cache
+    cache_env = compile_cache.environment() if cache else {}
+    saved = {k: os.environ.get(k) for k in (FIGURES_ENV, EXPORT_ENV, "PLOTLY_RENDERER", "PYTHONPATH", *cache_env)}
+    os.environ.update(cache_env)
     os.environ[FIGURES_ENV] = str(figs.resolve())
     os.environ[EXPORT_ENV] = "1" if export else "0"
     # plotly's default renderer in a papermill kernel emits only its own mimetype, which the HTML

@@ -277,8 +277,8 @@ def finish_row(row: dict, nbytes: dict, bw: dict) -> dict:
 # ---- the kernel's weights, shared across batches where the packing is the same ---------------------
 def pack_key(plan) -> tuple:
     """What `mk.kernel.packing.pack_weights` reads from a plan besides the params: equal keys, equal packs."""
-    return (plan.config, plan.layout, plan.tile_k, plan.tile_n, plan.streams, plan.expert_gu, plan.expert_down,
-            plan.vector_width, plan.latent_offsets, plan.dense_tiles, plan.experts, plan.mxfp4_unpack)
+    from mk.kernel.packing import pack_key
+    return pack_key(plan)
 
 
 def device_bytes_needed(cfg: K3Config, experts: str, impls: Sequence[str], batches: Sequence[int], ctx: int,
@@ -327,7 +327,23 @@ def check_fits(cfg: K3Config, need: dict, device, hw_chip: str | None, name: str
 
 
 # ---- the measurement -------------------------------------------------------------------------------
-CTX = 256   # the cache positions a bench's steps run in (they attend its first block)
+CTX = 256   # the cache positions a bench's steps run in (from position 0 they attend its first block)
+
+
+def cache_at(cfg: K3Config, batch: int, ctx: int, pos: int) -> dict:
+    """An empty cache (`mk.model.reference.init_cache`) whose rows stand at position `pos`: the next
+    step attends pos + 1 positions (the kernel reads the 128-position blocks up to its position, and
+    zeros cost what keys do), without stepping there first."""
+    from mk.model.reference import init_cache
+    cache = init_cache(cfg, batch, ctx)
+    cache["pos"] = jnp.full((batch,), pos, jnp.int32)
+    return cache
+
+
+def last_positions(ctx: int, steps: int) -> int:
+    """The position from which `steps` steps end at the cache's last position (ctx - 1): a bench at
+    context length ctx (`mk bench --ctx`)."""
+    return max(ctx - steps, 0)
 
 
 def bench_tokens(cfg: K3Config, batches: Sequence[int], steps: int, seed: int = 0) -> dict[int, np.ndarray]:
@@ -339,7 +355,7 @@ def bench_tokens(cfg: K3Config, batches: Sequence[int], steps: int, seed: int = 
 
 def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16", steps: int = 20,
             warmup: int = 3, impls: Sequence[str] = DEFAULT_IMPLS, prefetch_depth: int | Sequence[int] | None = None,
-            params: dict | None = None, *, seed: int = 0, ctx: int = CTX, progress: bool = True,
+            params: dict | None = None, *, seed: int = 0, ctx: int = CTX, start: int = 0, progress: bool = True,
             microbench_csv=None, device_steps: int = 5, mxfp4_unpack: str = "auto",
             peer_format: str | None = None, tile: tuple[int, int] | None = None) -> list[dict]:
     """Time each impl at each batch on this TPU; returns rows (see `mk.cli.bench` for the fields).
@@ -347,6 +363,10 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
 
     prefetch_depth: the kernel's (None: the plan's default); several: a sweep of the kernel alone, one
     row per depth and batch, the weights drawn once.
+
+    ctx, start: the cache's capacity, and the position the timed steps start from (0: an empty
+    cache, each step attending its first block; `mk bench --ctx N` starts at `last_positions(N, warmup
+    + steps)`, so that the steps attend up to N positions, and the profile's steps end there too).
 
     device_steps: that many more steps of each case under `jax.profiler`, for the step program's
     device time (`device_median_ms`, next to the wall clock's `median_ms`); 0: none.
@@ -419,10 +439,11 @@ def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str =
         t0 = time.perf_counter()
         try:
             step = make_step()
-            row.update(summarize(time_steps(step, lambda: reference.init_cache(cfg, B, ctx), tokens[B], warmup,
-                                            ctx, on_output=on_output)))
+            row.update(summarize(time_steps(step, lambda: cache_at(cfg, B, ctx, start), tokens[B], warmup,
+                                            ctx - start, on_output=on_output)))
             if device_steps:
-                dev, row["device_ops"] = device_step_profile(step, reference.init_cache(cfg, B, ctx),
+                at = start if start == 0 else last_positions(ctx, device_steps)
+                dev, row["device_ops"] = device_step_profile(step, cache_at(cfg, B, ctx, at),
                                                              jnp.asarray(tokens[B][0], jnp.int32), device_steps)
                 row["device_median_ms"] = statistics.median(dev) * 1e3 if dev else None
         except Exception as e:                     # a case that does not compile or run: say why, go on
@@ -564,7 +585,7 @@ def log(msg: str):
 
 
 def metadata(cfg: K3Config, experts: str, steps: int, warmup: int, microbench_csv=None,
-             peer_format: str | None = None) -> dict:
+             peer_format: str | None = None, ctx: int = CTX, start: int = 0) -> dict:
     from mk.perf.results import command_line
     dev = jax.devices()[0]
     chips = chip_of_device(dev.device_kind)
@@ -572,7 +593,7 @@ def metadata(cfg: K3Config, experts: str, steps: int, warmup: int, microbench_cs
     return {"device_kind": dev.device_kind, "chip": chips[1] if chips else None, "backend": jax.default_backend(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "jax_version": jax.__version__,
             "config": _config_name(cfg), "experts": experts, "steps": steps, "warmup": warmup,
-            "peer_format": peer_format, "peer": _peer_version() if peer_format else None,
+            "ctx": ctx, "first_position": start, "peer_format": peer_format, "peer": _peer_version() if peer_format else None,
             "command": command_line() if sys.argv else None,
             "datasheet_hbm_bw": bw["datasheet_bw"], "stream_bw": bw["stream_bw"], "stream_source": bw["stream_source"]}
 
