@@ -245,6 +245,7 @@ def test_speculative_device_loop_on_the_kernel(params, host_greedy, drafter):
     verifier = KernelVerifier(params, TINY, 2, 2, drafter.aux_layers, ctx=CTX)
     res = sp.device_generate(params, TINY, PROMPT, 5, drafter, 2, ctx=CTX, verifier=verifier, chunk=2)
     assert res["tokens"].tolist() == host_greedy[:, :5].tolist()
+    assert res["in_clock"] == NOTHING, res["in_clock"]     # the kernel's outputs are placed on its mesh
 
 
 def fixed_run(params, drafter, L, **kw):
@@ -284,3 +285,4 @@ def test_speculative_device_loop_fixed_acceptance_on_the_kernel(params, drafter)
     verifier = KernelVerifier(params, TINY, 2, 2, drafter.aux_layers, ctx=CTX)
     res, per_step = fixed_run(params, drafter, 2, verifier=verifier)
     assert per_step == [[2, 2], [2, 2]] and res["positions"].tolist() == [4, 4]
+    assert res["in_clock"] == NOTHING, res["in_clock"]

@@ -232,6 +232,20 @@ def test_step_device_seconds_picks_the_step_program():
     assert step_device_seconds([e for e in ev if e.plane == "none"], 2) == []
 
 
+def test_program_runs_seconds_counts_a_function_compiled_twice():
+    """The speculative chunk compiles to two programs (the prefill's cache layout, then its own), each
+    run once by the warm-up and once on the clock: its device time is the last runs of both, where
+    `step_device_seconds` would take one program's warm-up and real run."""
+    from mk.perf.trace import DeviceEvent, program_runs_seconds, step_device_seconds
+    ev = [DeviceEvent("/device:TPU:0", "XLA Modules", name, start, dur) for name, start, dur in (
+        ("jit_speculative_chunk(1)", 0, 1_000), ("jit_speculative_chunk(2)", 10_000, 1_000),
+        ("jit_broadcast", 20_000, 500), ("jit_speculative_chunk(1)", 30_000, 100_000_000),
+        ("jit_speculative_chunk(2)", 200_000_000, 101_000_000))]
+    assert program_runs_seconds(ev, "speculative_chunk", 2) == pytest.approx([0.1, 0.101])
+    assert sum(step_device_seconds(ev, 2)) == pytest.approx(0.101001)      # half the real runs
+    assert program_runs_seconds(ev, "speculative_chunk", 5) == []
+
+
 def test_device_time_reader_needs_no_pandas():
     """mk bench's device time with the core install: the trace reader runs with pandas unimportable."""
     import subprocess

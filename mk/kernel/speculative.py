@@ -449,7 +449,10 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     pieces = [head]
     dispatch = lambda c, d, s: fn(weights, drafter.params, c, d, s)
     t_compile = time.perf_counter()                  # the chunk compiled before the decode clock
-    cache, dcache, _ = warm_chunks(dispatch, (cache, dcache, dict(state, done=jnp.asarray(np.ones_like(done)))))
+    cache, dcache, warm = warm_chunks(dispatch, (cache, dcache, dict(state, done=jnp.asarray(np.ones_like(done)))))
+    # the run goes on from the warm-up's caches: its state too takes their placement, or the first
+    # chunk would meet a third mix of argument shardings and compile a third program on the clock
+    state = jax.tree.map(lambda w, v: jax.device_put(v, w.sharding) if w.committed else v, warm, state)
     compile_s = time.perf_counter() - t_compile
     with counting() as counts:
         t_decode = time.perf_counter()

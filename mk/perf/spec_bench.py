@@ -68,17 +68,20 @@ def cases(batches: Sequence[int], ks: Sequence[int], lengths: Sequence[int] | No
     return out
 
 
-def program_device_seconds(run: Callable[[], object], runs: int) -> float | None:
+def program_device_seconds(run: Callable[[], object], runs: int, program: str | None = None) -> float | None:
     """Device seconds of the program that `run()` executes `runs` times (summed over those runs),
-    from a `jax.profiler` trace (`mk.perf.trace.step_device_seconds`); None without a device plane."""
-    from mk.perf.trace import device_event_list, profile_data, step_device_seconds
+    from a `jax.profiler` trace (`mk.perf.trace.step_device_seconds`; with `program`, the last `runs`
+    executions of the programs so named, `mk.perf.trace.program_runs_seconds`); None without a
+    device plane."""
+    from mk.perf.trace import device_event_list, profile_data, program_runs_seconds, step_device_seconds
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             jax.block_until_ready(run())
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not files:
             return None
-        secs = step_device_seconds(device_event_list(profile_data(files[0])), runs)
+        events = device_event_list(profile_data(files[0]))
+        secs = program_runs_seconds(events, program, runs) if program else step_device_seconds(events, runs)
     return sum(secs) if secs else None
 
 
@@ -132,7 +135,7 @@ def speculative_row(params, cfg: K3Config, prompt, drafter, verifier, k: int, L:
     run()
     res = run()
     emitted = int(res["lengths"].sum()) - B
-    dev = program_device_seconds(run, res["chunks"])
+    dev = program_device_seconds(run, res["chunks"], "speculative_chunk")   # its two layouts' programs
     return {"L": L, "steps": res["steps"], "chunks": res["chunks"], "emitted": emitted,
             "tokens_per_step": res["tokens_per_step"], "decode_s": res["decode_s"], "prefill_s": res["prefill_s"],
             "wall_tok_s": res["tokens_per_s"], "wall_step_ms": 1e3 * res["decode_s"] / max(res["steps"], 1),

@@ -158,6 +158,17 @@ def step_device_seconds(events: Sequence[DeviceEvent], steps: int) -> list[float
     return [e.dur_ns / 1e9 for e in _step_runs(events, steps)]
 
 
+def program_runs_seconds(events: Sequence[DeviceEvent], program: str, runs: int) -> list[float]:
+    """Device time of the last `runs` executions, in order, of the 'XLA Modules' programs on the first
+    device plane whose name contains `program`: one jitted function can compile to several programs
+    (the speculative chunk gets the prefill's cache layout first, then its own), which
+    `step_device_seconds` would count apart."""
+    mods = [e for e in events if e.line == "XLA Modules"]
+    first = min((e.plane for e in mods), default=None)
+    mine = sorted((e for e in mods if e.plane == first and program in e.name), key=lambda e: e.start_ns)
+    return [e.dur_ns / 1e9 for e in mine[-runs:]] if len(mine) >= runs else []
+
+
 def _step_runs(events: Sequence[DeviceEvent], steps: int) -> list[DeviceEvent]:
     """The last `steps` executions of the traced step program (see `step_device_seconds`), in order."""
     mods = [e for e in events if e.line == "XLA Modules"]
