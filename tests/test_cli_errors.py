@@ -25,7 +25,7 @@ _QUIETING = ("TPU_", "TF_CPP_", "GRPC_", "ALLOW_MULTIPLE_LIBTPU_LOAD")
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(_QUIETING)}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     env.update(extra)
     return {k: v for k, v in env.items() if v is not None}
 

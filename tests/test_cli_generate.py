@@ -227,7 +227,7 @@ def test_documented_command(capsys):
 
 
 def test_module_entry_point(tiny_dir, capsys):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-m", "mk", "generate", "--config", tiny_dir, "--ctx", "128",
                            "--prompt-tokens", "1,2,3", "--max-new-tokens", "4", "--json"],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
@@ -277,7 +277,7 @@ def test_speculative_device_loop(capsys, tiny_dir):
 
 def _generate_process(cache_dir, *extra):
     """`python -m mk generate --config mini ... --json` in a fresh process with MK_CACHE_DIR=cache_dir."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, MK_CACHE_DIR=str(cache_dir))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p), MK_CACHE_DIR=str(cache_dir))
     proc = subprocess.run([sys.executable, "-m", "mk", "generate", "--config", "mini", "--prompt-tokens", "1,2,3",
                            "--max-new-tokens", "4", "--chunk", "2", "--json", *extra],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
