@@ -82,14 +82,15 @@ def newest_cases(records) -> dict[tuple, dict]:
     """{(config, experts, batch, impl): the newest bench row of that case on the kernel's defaults} over
     the bench records and the cases read back from a stopped bench's log (`record_rows`). A tuning run
     (a key with `mk.perf.results.TUNING_KEYS`) counts only where it ran what the plan now takes by
-    default (its tile, its `--prefetch-depth` sweep's row at today's depth); a hand-set unpack never.
+    default (its tile, its `--prefetch-depth` sweep's row at today's depth); a hand-set unpack or
+    `--ctx` (steps at other positions than the sweep's) never.
     Rows without a device time, with an error, or of the reference are left out."""
     out = {}
     for r in record_rows(records, "bench") + record_rows(records, "bench_log"):
         if r["impl"] == "reference" or not r.get("device_median_ms") or r.get("error"):
             continue
         key = set(r["record_key"].split(","))
-        if "mxfp4_unpack" in key or ("tile" in key and r.get("tile") != default_tile_of(r)):
+        if "mxfp4_unpack" in key or "ctx" in key or ("tile" in key and r.get("tile") != default_tile_of(r)):
             continue
         if "prefetch_depth" in key and r.get("prefetch_depth") != default_depth_of(r):
             continue

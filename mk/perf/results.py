@@ -126,7 +126,7 @@ def _label(rec: dict) -> str:
     return " ".join(parts)
 
 
-TUNING_KEYS = ("prefetch_depth", "tile", "mxfp4_unpack")   # a kernel option set by hand: a tuning run
+TUNING_KEYS = ("prefetch_depth", "tile", "mxfp4_unpack", "ctx")   # set by hand: a tuning run (ctx: the positions)
 # The README's rows beside the sweep table (`mk.perf.cases.readme_block`), one line each: the device
 # loop's generation, prefill, `mk check`, the speculative check and the speculative bench. A kind no
 # record has yet is no row.
