@@ -103,8 +103,7 @@ def order_violations(cfg: K3Config, got: dict, want: dict, tie=None, start=0) ->
     oracle's routing near ties (`route_ties`) at the logits' positions, which start at cache slot
     `start` (an int, or one per row; 0: a prompt from an empty cache)."""
     reasons = []
-    tie = None if tie is None else np.asarray(tie, bool)
-    tie = None if tie is None else (tie if tie.ndim == 2 else tie[:, None])
+    tie = None if tie is None else np.asarray(tie, bool).reshape(len(tie), -1)        # [B, T]
     for name in got:
         g, w = np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
         if g.shape != w.shape:
@@ -553,7 +552,7 @@ def route_near_ties(margins: np.ndarray, index: str, **where) -> list[dict]:
     or a sequence's positions) whose margin is below ROUTE_NEAR_TIE in some MoE layer, ascending:
     {**where, index: the row, "moe_layer", "route_margin"} (the smallest)."""
     out = []
-    for i in np.flatnonzero((margins < ROUTE_NEAR_TIE).any(axis=-1)):
+    for i in np.flatnonzero(route_ties(margins)):
         l = int(np.argmin(margins[i]))
         out.append({**where, index: int(i), "moe_layer": l + 1, "route_margin": float(margins[i, l])})
     return out
