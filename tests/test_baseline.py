@@ -116,3 +116,68 @@ def test_compiles_deviceless_for_v5e_without_expert_copies(experts):
     assert not expert_copies(r), expert_copies(r)[:3]
     ref = baseline.cost_report(CFG, 8, "reference", topology="v5e:2x2", top=50)
     assert expert_copies(ref)
+
+
+# ---- the verify step (speculative decoding) ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    """mini thinned to 2 layers (a KDA then an MLA layer; test_loop's): the verify step compiles in seconds."""
+    from tests.test_loop import TINY
+    return TINY, init(TINY, 0)
+
+
+def verify_both(cfg, step_params, ref_params, experts, batch=2, k=3, steps=3, aux_layers=(1,), seed=0):
+    """The fair XLA verify step (mk.perf.baseline.XlaVerifier) and the reference's (ReferenceVerifier)
+    from the same prefilled cache on the same tokens, each step committing the same count per row
+    (full, none, partial acceptance): max |logit|, |state, cache and aux| errors and the logits' scale."""
+    from mk.kernel.speculative import ReferenceVerifier
+    xla, oracle = baseline.XlaVerifier(cfg, experts), ReferenceVerifier(cfg)
+    rng = np.random.default_rng(seed)
+    r_cache = reference.init_cache(cfg, batch)
+    r_cache = oracle.commit(r_cache, oracle.verify(ref_params, r_cache, rng.integers(0, cfg.vocab, (batch, 1 + k)),
+                                                   ())[1], jnp.full((batch,), k, jnp.int32))   # a prompt of 1 + k
+    x_cache = jax.tree.map(jnp.copy, r_cache)
+    logit_err = cache_err = 0.0
+    scales = []
+    for s in range(steps):
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab, (batch, 1 + k)), jnp.int32)
+        r_logits, r_block = oracle.verify(ref_params, r_cache, tokens, aux_layers)
+        x_logits, x_block = xla.verify(step_params, x_cache, tokens, aux_layers)
+        logit_err = max(logit_err, float(jnp.max(jnp.abs(r_logits - x_logits))))
+        for n in ("kda_state", "conv_state", "aux"):
+            assert x_block[n].shape == r_block[n].shape, n
+            cache_err = max(cache_err, float(jnp.max(jnp.abs(f32(r_block[n]) - f32(x_block[n])))))
+        scales.append(float(jnp.std(r_logits)))
+        count = jnp.asarray([(k, 0, 1)[s % 3], (2, k, 0)[s % 3]][:batch], jnp.int32)
+        r_cache, x_cache = oracle.commit(r_cache, r_block, count), xla.commit(None, x_block, count)
+        for n in r_cache:
+            cache_err = max(cache_err, float(jnp.max(jnp.abs(f32(r_cache[n]) - f32(x_cache[n])))))
+    return logit_err, cache_err, float(np.mean(scales))
+
+
+def f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def test_xla_verify_step_agrees_with_reference(tiny):
+    """B = 2 sequences x (1 + 3) rows (8 rows: the kernel's limit), three steps with full, none and
+    partial acceptance rolled back: within mk check's tolerances (docs/numerics.md); and the same
+    harness sees a wrong verify step (the attention output projections doubled)."""
+    cfg, params = tiny
+    logit_err, cache_err, scale = verify_both(cfg, params, params, "bf16")
+    assert LOGIT_SCALE[0] < scale < LOGIT_SCALE[1]
+    assert logit_err <= LOGIT_TOL and cache_err <= CACHE_TOL, (logit_err, cache_err)
+    wrong = dict(params, kda=dict(params["kda"], o=params["kda"]["o"] * 2),
+                 mla=dict(params["mla"], o=params["mla"]["o"] * 2))
+    logit_err, _, _ = verify_both(cfg, wrong, params, "bf16", steps=1)
+    assert logit_err > LOGIT_TOL
+
+
+def test_xla_verify_step_mxfp4(tiny):
+    """MXFP4 experts dequantized in the step, one sequence x (1 + 7) rows, against the reference on
+    the dequantized weights."""
+    cfg, params = tiny
+    packed = mxfp4_params(cfg, 0, params)[0]
+    logit_err, cache_err, _ = verify_both(cfg, packed, dequantize_experts(packed), "mxfp4", batch=1, k=7, steps=2)
+    assert logit_err <= LOGIT_TOL and cache_err <= CACHE_TOL, (logit_err, cache_err)

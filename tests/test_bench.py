@@ -295,8 +295,8 @@ def test_speculative_cases_keep_what_fits_the_rows():
 
 @pytest.mark.slow
 def test_measure_speculative_pipeline(monkeypatch):
-    """Plain decoding and the speculative loop at L = 2 on the kernel (interpret mode), the xla
-    step's speculative rows not run, the TPU check bypassed: rows complete (CPU: plumbing only)."""
+    """Plain decoding and the speculative loop at L = 2 on the kernel (interpret mode) and on the
+    fair XLA step's verify step, the TPU check bypassed: rows complete (CPU: plumbing only)."""
     from mk.perf import spec_bench
     from tests.test_loop import TINY
     monkeypatch.setattr(spec_bench, "require_tpu", lambda backend=None: None)
@@ -304,10 +304,28 @@ def test_measure_speculative_pipeline(monkeypatch):
     assert [(r["impl"], r["k"], r["L"]) for r in rows] == [("kernel", 0, 1), ("kernel", 1, 2), ("xla", 0, 1),
                                                            ("xla", 1, 2)]
     plain, spec, _, xla = rows
-    assert plain["error"] is None and spec["error"] is None, rows
+    assert plain["error"] is None and spec["error"] is None and xla["error"] is None, rows
     assert spec["steps"] == 2 and spec["emitted"] == 4 and spec["tokens_per_step"] == 2
     assert spec["speedup_wall"] == pytest.approx(spec["wall_tok_s"] / plain["loop_tok_s"])
     assert spec["device_tok_s"] is None and spec["drafter_share"] is None          # no device plane on CPU
-    assert xla["error"] == spec_bench.NO_XLA_VERIFY
     assert spec_bench.summary(rows).startswith("kernel, at a fixed acceptance length (tokens not meaningful): "
                                                "B=1 k=1: L=2 - device / ")
+
+
+@pytest.mark.slow
+def test_measure_speculative_xla_rows_run(monkeypatch):
+    """`mk bench --mode speculative --impl xla` on a thinned mini (the TPU check bypassed; CPU:
+    plumbing only): the XLA step's speculative rows run its verify step (no error), emit L tokens a
+    step, and carry their ratios against its plain decoding."""
+    from mk.perf import spec_bench
+    from tests.test_loop import TINY
+    monkeypatch.setattr(spec_bench, "require_tpu", lambda backend=None: None)
+    monkeypatch.setattr(spec_bench, "program_device_seconds", lambda *a, **kw: None)   # no device plane on CPU
+    rows = spec_bench.measure_speculative(TINY, batches=(1,), ks=(3,), lengths=(4,), impls=("xla",), steps=2,
+                                          chunk=2, device_steps=1)
+    assert [(r["impl"], r["k"], r["L"], r["error"]) for r in rows] == [("xla", 0, 1, None), ("xla", 3, 4, None)]
+    plain, four = rows
+    assert four["emitted"] == 8 and four["tokens_per_step"] == 4 and four["verify_ms"] is None   # no device plane
+    assert four["speedup_wall"] == pytest.approx(four["wall_tok_s"] / plain["loop_tok_s"])
+    assert "xla" in spec_bench.format_table(rows, dict(config="tiny", device_kind="cpu", experts="bf16", steps=2,
+                                                       jax_version="", date=""))

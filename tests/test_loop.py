@@ -207,6 +207,33 @@ def test_speculative_device_loop_greedy(params, host_greedy, drafter):
     assert cut["lengths"].tolist() == [4, 8] and cut["tokens"][0, :4].tolist() == host_greedy[0, :4].tolist()
 
 
+def test_speculative_prefill_is_rehearsed_and_on_the_counted_clock(params, host_greedy, drafter, monkeypatch):
+    """The prefill (verify blocks, the drafter's observe, the first token) runs once before the clock
+    on scratch caches (`prefill_program`'s rehearsal, through `mk.model.loop.rehearse`) and again,
+    timed, inside the counted region: a first token that compiles a new program at every call
+    shows in in_clock (once per row of the timed run), and the tokens are plain greedy's. The host
+    loop counts its prefill alone (prefill_in_clock)."""
+    import jax
+    from mk.kernel import speculative as sp
+    real, calls = sp._first_token, []
+
+    def compiling(*a):
+        calls.append(1)
+        jax.jit(lambda x: x + 1)(np.zeros(1)).block_until_ready()        # a new function each call
+        return real(*a)
+
+    monkeypatch.setattr(sp, "_first_token", compiling)
+    res = sp.device_generate(params, TINY, PROMPT, 3, drafter, 2, chunk=2)
+    assert res["tokens"].tolist() == host_greedy[:, :3].tolist()
+    assert len(calls) == 4 and res["in_clock"]["compiles"] == 2, res["in_clock"]   # rehearsal + run, 2 rows
+    host = sp.generate(params, TINY, PROMPT, 3, drafter, 2)
+    assert host["tokens"].tolist() == host_greedy[:, :3].tolist()
+    assert len(calls) == 8 and host["prefill_in_clock"]["compiles"] == 2, host["prefill_in_clock"]
+    monkeypatch.setattr(sp, "_first_token", real)
+    host = sp.generate(params, TINY, PROMPT, 3, drafter, 2)
+    assert host["prefill_in_clock"] == NOTHING and host["compile_s"] > 0 and host["ttft_s"] == host["prefill_s"]
+
+
 def test_speculative_device_loop_accepts_drafts(params, host_greedy, drafter, monkeypatch):
     """A drafter whose first draft is the greedy continuation and second is wrong: every step
     accepts one draft (acceptance length 2), emits two tokens, and the rows end at max_new exactly."""

@@ -653,3 +653,36 @@ def test_speculative_model_is_the_wider_step_plus_the_drafter():
         sim.speculative(cfg, 1, 3, 5, "tpu-v5e", plans=("mk",))
     with pytest.raises(sim.SimError, match=r"batch 2 x \(1 \+ 7\) = 16 rows"):
         sim.speculative(cfg, 2, 7, 2, "tpu-v5e", plans=("mk",))
+
+
+def test_speculative_verify_routing_against_the_chip():
+    """The verify step's only row-scaling term past the decode step is the distinct experts its rows
+    stream. The chip's speculative bench (docs/tpu-v5e/2026-12-07e/spec-bench.json, k3-chip bf16,
+    B = 1) timed a verify step whose rows repeat one token (`mk.perf.spec_bench.verify_ms`): modelled
+    so (`verify_routing="sequence"`, the experts of one row), each case is within 10% of it; modelled
+    with every row routing on its own (the default, distinct drafts) it is 15-20% over, as the plain
+    decode model is at B = 4 and 8 under uniform routing, and is not once given the experts those
+    steps routed (docs/tpu-v5e/2026-12-06c/bench-k3chip-bf16.json)."""
+    import json
+    from pathlib import Path
+    from mk.model.config import get_config
+    cfg = get_config("k3-chip")
+    docs = Path(__file__).resolve().parents[1] / "docs" / "tpu-v5e"
+    chip = [r for r in json.loads((docs / "2026-12-07e" / "spec-bench.json").read_text())["rows"] if r["k"]]
+    plain_ms = 6.025421
+    assert {(r["k"], r["L"]) for r in chip} == {(3, 1), (7, 1), (7, 6)}
+    for r in chip:
+        seq = sim.speculative(cfg, 1, r["k"], r["L"], "tpu-v5e", plans=("mk",), experts="bf16",
+                              verify_routing="sequence")
+        rows = sim.speculative(cfg, 1, r["k"], r["L"], "tpu-v5e", plans=("mk",), experts="bf16")
+        assert seq["verify_routing"] == "sequence" and rows["verify_routing"] == "rows"
+        assert seq["mk"]["verify_s"] * 1e3 == pytest.approx(r["verify_ms"], rel=0.10), r
+        assert rows["mk"]["verify_s"] * 1e3 > 1.12 * r["verify_ms"], r
+        derived = r["L"] / (r["verify_ms"] + r["drafter_ms"]) * plain_ms      # the NOTES' speed-up from device times
+        assert seq["mk"]["speedup"] == pytest.approx(derived, rel=0.10), r
+    for b, routed, measured in ((4, [9.4, 9.4], 6.3924e-3), (8, [9.95, 9.8], 6.6968e-3)):
+        uniform = sim.predict(cfg, b, "tpu-v5e", plans=("mk",), experts="bf16")["mk"]["step_time_s"]
+        got = sim.predict(cfg, b, "tpu-v5e", plans=("mk",), experts="bf16", mk_distinct_experts=routed)
+        assert uniform > 1.1 * measured and got["mk"]["step_time_s"] == pytest.approx(measured, rel=0.05)
+    with pytest.raises(sim.SimError, match="--verify-routing must be one of rows, sequence"):
+        sim.speculative(cfg, 1, 3, 2, "tpu-v5e", plans=("mk",), verify_routing="tokens")

@@ -363,7 +363,8 @@ def _run_speculative(args, cfg, prompt, tokenizer) -> int:
         res = speculative.generate(params, cfg, rows, args.max_new_tokens, drafter, args.speculative,
                                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, ctx=ctx,
                                    fixed_acceptance=args.fixed_acceptance_length, verifier=verifier)
-        extra = {"acceptance_lengths": res["acceptance"]}
+        extra = {"acceptance_lengths": res["acceptance"], "compile_s": res["compile_s"],
+                 "prefill_in_clock": res["prefill_in_clock"]}
     if args.fixed_acceptance_length is not None and not args.json:
         print(f"note: {speculative.FIXED_NOTE}", file=sys.stderr)
     return _print_result(args, res, prompt, tokenizer, {

@@ -16,6 +16,8 @@ figures and assumptions.
 batch, a verify step of B x (1 + K) rows plus the drafter's pass, L tokens a step, against plain
 decoding of B rows: step ms, the drafter's share, verify / decode step, tokens/s and the speed-up;
 where the seed published DSpark tokens/s at L (tpu-v7x16, gb200x16: L = 3, 6), that figure beside it.
+`--verify-routing sequence` models a verify step whose 1 + K rows of a sequence route as one token
+(the routed experts of B rows) instead of each row on its own (`rows`, the default).
 """
 from __future__ import annotations
 
@@ -70,6 +72,10 @@ def add_parser(subparsers):
                         "the drafter), with --acceptance")
     p.add_argument("--acceptance", type=float, default=None, metavar="L",
                    help="--speculative: tokens emitted a step, 1..K + 1")
+    p.add_argument("--verify-routing", choices=("rows", "sequence"), default="rows",
+                   help="--speculative: the experts the verify step streams: rows = each of the B x (1 + K) rows "
+                        "routes on its own (distinct drafts; default), sequence = the rows of a sequence route as "
+                        "one token (what mk bench --mode speculative's verify step runs)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -383,7 +389,8 @@ def speculative_report(args, systems: list[str], batches: list[int]) -> list[dic
         for b in batches:
             out.append(sim.speculative(cfg, b, args.speculative, args.acceptance, system,
                                        context=args.context or sim.DEFAULT_CONTEXT, plans=plans, experts=args.experts,
-                                       mxfp4_matmul=args.mxfp4_matmul, straggler=not args.mean_experts))
+                                       mxfp4_matmul=args.mxfp4_matmul, straggler=not args.mean_experts,
+                                       verify_routing=args.verify_routing))
     return out
 
 
@@ -404,8 +411,11 @@ def format_speculative(rows: list[dict]) -> str:
     notes = {f"{r['system']}: drafter {r['drafter']}" + (f" ({r['drafter_assumption']}: an assumption)"
                                                          if r["drafter_assumption"] else "") for r in rows}
     lines += sorted(notes)
+    routing = {r["verify_routing"] for r in rows}
     lines.append("all times modelled (mk.perf.sim): a verify step of B x (1 + k) rows (the KDA row chaining not "
-                 "modelled) plus the drafter's bytes at the DMA stream rate; drafter = its share of a step")
+                 "modelled) plus the drafter's bytes at the DMA stream rate; drafter = its share of a step; "
+                 + ("the rows of a sequence route as one token (--verify-routing sequence)" if routing == {"sequence"}
+                    else "every row routes on its own (--verify-routing rows)"))
     return "\n".join(lines) + "\n"
 
 

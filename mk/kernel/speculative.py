@@ -203,7 +203,11 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
              verifier=None, reference_prefill: bool = False, keep_logits: bool = False) -> dict:
     """Speculative generation from prompts [B, T0] (or [T0]). Returns tokens [B, max_new_tokens],
     `acceptance` (one list per row: acceptance length of every step), `steps`, `mean_acceptance`,
-    `tokens_per_step`, `prefill_s`, `decode_s`, `tokens_per_s` (emitted tokens / decode time).
+    `tokens_per_step`, `prefill_s` (= `ttft_s`: to the first token on the host), `decode_s`,
+    `tokens_per_s` (emitted tokens / decode time), `compile_s` (the prefill rehearsed before the
+    clock, `prefill_program`) and `prefill_in_clock` (what JAX compiled while the prefill's clock
+    ran, `mk.model.compile_cache.Counts`: 0; the host loop's decode compiles its step programs as it
+    goes, on its clock, as `mk.model.reference.generate` does).
 
     `fixed_acceptance` L forces count = L - 1 every step (speed at a chosen acceptance length; the
     tokens are then not meaningful). `verifier` runs the verify steps (`ReferenceVerifier`, the
@@ -224,10 +228,18 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     verifier = verifier or ReferenceVerifier(cfg)
     prefiller = ReferenceVerifier(cfg) if reference_prefill else verifier
 
-    t0 = time.perf_counter()
-    cache, dstate, anchor, pos = _prefill(params, prompt, drafter, k, ctx, verifier, prefiller, temperature, top_p,
-                                          seed)
-    t1 = time.perf_counter()
+    from mk.model.compile_cache import counting
+    run_prefill = prefill_program(params, drafter, k, verifier, prefiller, temperature, top_p, seed)
+    new_caches = lambda: (prefiller.init_cache(B, ctx), drafter.start(B, ctx))
+    t_compile = time.perf_counter()                  # the prefill's programs, on scratch caches
+    jax.block_until_ready(run_prefill(new_caches(), run_prefill.rehearsal(prompt)))
+    caches = jax.block_until_ready(new_caches())
+    compile_s = time.perf_counter() - t_compile
+
+    with counting() as compiled:                     # the prefill's clock: nothing left to compile
+        t0 = time.perf_counter()
+        (anchor, pos), (cache, dstate) = run_prefill(caches, prompt)
+        t1 = time.perf_counter()
 
     out = [[int(a)] for a in anchor]
     acceptance: list[list[int]] = [[] for _ in range(B)]
@@ -264,21 +276,21 @@ def generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *, tempe
     flat = [a for row in acceptance for a in row]
     res = {"tokens": np.asarray([o[:max_new_tokens] for o in out], np.int32), "acceptance": acceptance,
            "steps": steps, "mean_acceptance": float(np.mean(flat)) if flat else 0.0,
-           "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t1,
-           "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx}
+           "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "ttft_s": t1 - t0,
+           "decode_s": t2 - t1, "tokens_per_s": emitted / max(t2 - t1, 1e-9), "ctx": ctx, "compile_s": compile_s,
+           "prefill_in_clock": compiled.as_dict()}
     if keep_logits:
         res["emitted_logits"] = [np.stack(k)[:max_new_tokens - 1] for k in kept]
     return res
 
 
-def _prefill(params, prompt, drafter, k, ctx, verifier, prefiller, temperature, top_p, seed):
-    """The prompt [B, T0] through the verify step in blocks of 1 + k tokens -> (cache, drafter state,
-    first tokens [B], their position [B]); the cache in `verifier`'s layout."""
+def _prefill(params, prompt, drafter, k, verifier, prefiller, temperature, top_p, seed, cache, dstate):
+    """The prompt [B, T0] through the verify step in blocks of 1 + k tokens, from empty caches
+    (`cache` in `prefiller`'s layout, `dstate` the drafter's) -> (cache, drafter state, first tokens
+    [B], their position [B]); the cache in `verifier`'s layout."""
     B, T0 = prompt.shape
     T = 1 + k
     aux_layers = tuple(drafter.aux_layers)
-    cache = prefiller.init_cache(B, ctx)
-    dstate = drafter.start(B, ctx)
     for s in range(0, T0, T):                      # prefill: blocks of T prompt tokens
         chunk = prompt[:, s:s + T]
         real = chunk.shape[1]
@@ -290,11 +302,27 @@ def _prefill(params, prompt, drafter, k, ctx, verifier, prefiller, temperature, 
         cache = prefiller.commit(cache, block, jnp.full((B,), real - 1, jnp.int32))
     if prefiller is not verifier:
         cache = verifier.adopt(cache)
-    last = np.asarray(logits[:, real - 1])
+    last = np.asarray(logits)[:, real - 1]         # cut on the host: no indexing program per prompt length
     pos = np.asarray(cache["pos"])                 # = T0: the first generated token's position
     anchor = np.asarray([_first_token(last[b], temperature, top_p, seed, b, int(pos[b])) for b in range(B)])
     jax.block_until_ready(cache["pos"])
     return cache, dstate, anchor, pos
+
+
+def prefill_program(params, drafter, k: int, verifier, prefiller, temperature: float, top_p: float, seed: int):
+    """`_prefill` as `mk.model.loop.rehearse` takes a prefill: run(caches, prompt [B, T0]) ->
+    ((first tokens [B], their position [B]), (cache, drafter state)), caches = (an empty cache in
+    `prefiller`'s layout, the drafter's `start` state). `run.rehearsal(prompt)`: the first two blocks
+    of 1 + k tokens, which run every program the whole prompt runs (the first block's verify takes
+    a fresh cache, later ones a committed one; the first token is drawn on the host), so a
+    rehearsal on scratch caches leaves nothing to compile for the timed prefill."""
+    def run(caches, prompt):
+        cache, dstate, anchor, pos = _prefill(params, prompt, drafter, k, verifier, prefiller, temperature, top_p,
+                                              seed, *caches)
+        return (anchor, pos), (cache, dstate)
+
+    run.rehearsal = lambda prompt: prompt[:, :2 * (1 + k)]
+    return run
 
 
 # ---- on the device ---------------------------------------------------------------------------
@@ -401,9 +429,10 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     drafter: a `mk.model.drafter.DSparkDrafter` (its JAX functions run inside the loop); verifier:
     `ReferenceVerifier` (default) or `mk.kernel.step.KernelVerifier`. Prefill and the first token as
     `generate`. Returns tokens [B, max emitted] (pad -1), lengths, acceptance means and timings as
-    `generate` (acceptance: mean length per row), plus chunk, chunks, compile_s (the chunk, compiled
-    after the prefill and before the decode clock: `mk.model.loop.warm_chunks`) and in_clock (what JAX
-    compiled while the decode clock ran, `mk.model.compile_cache.Counts`).
+    `generate` (acceptance: mean length per row), plus chunk, chunks, compile_s (every program of
+    the run, the prefill's, the first token's and the chunk's, run once before the clock on scratch
+    caches: `mk.model.loop.rehearse` with `prefill_program`) and in_clock (what JAX compiled while
+    the clock ran, prefill and decode, `mk.model.compile_cache.Counts`: all 0).
 
     fixed_acceptance L (1..k + 1): every step on the device accepts L - 1 drafts, emits them and the
     bonus, and rolls the cache forward by L (speed at a chosen acceptance length; the tokens are not
@@ -412,7 +441,7 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     for every fixed L: L is an input), so a warm-up run compiles what a timed run reuses."""
     import functools
     from mk.model.compile_cache import counting
-    from mk.model.loop import PAD, drive, warm_chunks
+    from mk.model.loop import PAD, drive, rehearse
     prompt = _prompt_rows(prompt)
     B, T0 = prompt.shape
     if chunk < 1:
@@ -434,29 +463,40 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
                                 donate_argnums=(2, 3))
     fn = programs[key]
 
-    t0 = time.perf_counter()
-    cache, dcache, anchor, pos = _prefill(params, prompt, drafter, k, ctx, verifier, verifier, temperature, top_p,
-                                          seed)
-    t1 = time.perf_counter()
-    head = anchor.astype(np.int32)[:, None]
-    if on_tokens is not None:
-        on_tokens(head)
-    done = np.isin(head[:, 0], stop_ids) | (max_new_tokens <= 1)
-    state = {"anchor": jnp.asarray(head[:, 0]), "pos": jnp.asarray(pos, jnp.int32), "done": jnp.asarray(done),
-             "count": jnp.ones((B,), jnp.int32), "max_new": jnp.asarray(max_new_tokens, jnp.int32),
-             "steps": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((B,), jnp.int32),
-             "row_steps": jnp.zeros((B,), jnp.int32), "fixed": jnp.asarray(fixed_acceptance or 0, jnp.int32)}
-    pieces = [head]
-    dispatch = lambda c, d, s: fn(weights, drafter.params, c, d, s)
-    t_compile = time.perf_counter()                  # the chunk compiled before the decode clock
-    cache, dcache, warm = warm_chunks(dispatch, (cache, dcache, dict(state, done=jnp.asarray(np.ones_like(done)))))
-    # the run goes on from the warm-up's caches: its state too takes their placement, or the first
-    # chunk would meet a third mix of argument shardings and compile a third program on the clock
-    state = jax.tree.map(lambda w, v: jax.device_put(v, w.sharding) if w.committed else v, warm, state)
+    fixed = jnp.asarray(fixed_acceptance or 0, jnp.int32)
+
+    def first(head_pos, _key, max_new):
+        """The loop state after the prefill's first tokens (`mk.model.loop.first_token`'s part): a
+        limit of max_new tokens a row (0: every row done, `rehearse`'s)."""
+        anchor, pos = head_pos
+        done = np.isin(anchor, stop_ids) | (max_new <= 1)
+        return {"anchor": jnp.asarray(anchor.astype(np.int32)), "pos": jnp.asarray(pos, jnp.int32),
+                "done": jnp.asarray(done), "count": jnp.ones((B,), jnp.int32),
+                "max_new": jnp.asarray(max_new, jnp.int32), "steps": jnp.zeros((), jnp.int32),
+                "accepted": jnp.zeros((B,), jnp.int32), "row_steps": jnp.zeros((B,), jnp.int32), "fixed": fixed}
+
+    def dispatch(caches, s):                         # the carry of `mk.model.loop`: (caches, state)
+        cache, dcache, s, toks, done = fn(weights, drafter.params, *caches, s)
+        return (cache, dcache), s, toks, done
+
+    run_prefill = prefill_program(params, drafter, k, verifier, verifier, temperature, top_p, seed)
+    new_caches = lambda: (verifier.init_cache(B, ctx), drafter.start(B, ctx))
+    t_compile = time.perf_counter()   # prefill, first token and chunk rehearsed on scratch caches, before the clock
+    rehearse(run_prefill, first, dispatch, new_caches(), prompt, None)
+    caches = jax.block_until_ready(new_caches())
     compile_s = time.perf_counter() - t_compile
-    with counting() as counts:
+    with counting() as counts:                       # the clock's region: no compile expected
+        t0 = time.perf_counter()
+        head_pos, caches = run_prefill(caches, prompt)
+        state = first(head_pos, None, max_new_tokens)
+        head = head_pos[0].astype(np.int32)[:, None]
+        t1 = time.perf_counter()
+        pieces = [head]
+        if on_tokens is not None:
+            on_tokens(head)
+        done = np.isin(head[:, 0], stop_ids) | (max_new_tokens <= 1)
         t_decode = time.perf_counter()
-        (cache, dcache, state), chunks = drive(dispatch, (cache, dcache, state), done.all(), pieces, on_tokens)
+        (caches, state), chunks = drive(dispatch, (caches, state), done.all(), pieces, on_tokens)
         t2 = time.perf_counter()
     rows = [[int(t) for t in np.concatenate([p[b] for p in pieces]) if t != PAD] for b in range(B)]
     lengths = np.asarray([len(r) for r in rows], np.int32)
@@ -469,9 +509,9 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     return {"tokens": tokens, "lengths": lengths, "steps": steps,
             "acceptance": [float(a) / max(int(n), 1) for a, n in zip(accepted, row_steps)],
             "mean_acceptance": float(accepted.sum()) / max(int(row_steps.sum()), 1),
-            "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "decode_s": t2 - t_decode,
-            "tokens_per_s": emitted / max(t2 - t_decode, 1e-9), "ctx": ctx, "chunk": chunk, "chunks": chunks,
-            "compile_s": compile_s, "in_clock": counts.as_dict(),
+            "tokens_per_step": emitted / max(steps, 1) / B, "prefill_s": t1 - t0, "ttft_s": t1 - t0,
+            "decode_s": t2 - t_decode, "tokens_per_s": emitted / max(t2 - t_decode, 1e-9), "ctx": ctx,
+            "chunk": chunk, "chunks": chunks, "compile_s": compile_s, "in_clock": counts.as_dict(),
             "positions": np.asarray(state["pos"]) - T0, "fixed_acceptance": fixed_acceptance,
             **({"note": FIXED_NOTE} if fixed_acceptance is not None else {})}
 

@@ -345,6 +345,179 @@ def make_baseline_step(cfg: K3Config, experts: str = "bf16", moe: str = "loop", 
     return jax.jit(functools.partial(step, cfg=cfg, experts=experts, moe=moe, routing=routing), donate_argnums=(1,))
 
 
+# ---- the verify step (speculative decoding) -----------------------------------------------------
+def kda_tokens(a, w: dict, state, conv_state, cfg: K3Config):
+    """One KDA layer over T consecutive tokens of each row: a [B, T, d] bf16, state [B, H, D, D] f32,
+    conv_state [B, 3, C-1, HD] bf16 -> (y [B * T, d] bf16, the states after each token [B, T, H, D, D],
+    the conv states after each token [B, T, 3, C-1, HD]). The projections are `kda_layer`'s dots on
+    all B x T rows at once (each weight read once); the short conv and the delta rule, which chain
+    token to token, run T times on [B, H, ...] (`kda_layer`'s expressions)."""
+    B, T, _ = a.shape
+    H, D = cfg.heads, cfg.head_dim
+    x = a.reshape(B * T, -1)
+    g_raw = bf(dot(bf(dot(x, w["f_a"])), w["f_b"])).reshape(B * T, H, D)
+    qkv = jnp.stack([bf(dot(x, w[n])) for n in ("q", "k", "v")], axis=1).reshape(B, T, 3, H * D)
+    g_o = bf(dot(x, w["g"])).reshape(B, T, H, D)
+    beta = sigmoid(bf(dot(x, w["b"]))).reshape(B, T, H)
+    g = decay(g_raw, w["a_log"], w["dt_bias"].reshape(H, D), cfg.gate_lower_bound).reshape(B, T, H, D)
+    l2 = lambda x: f32(x) * rsqrt(jnp.sum(f32(x) * f32(x), axis=-1, keepdims=True) + QK_NORM_EPS)
+    states, convs, outs = [], [], []
+    for t in range(T):
+        window = jnp.concatenate([conv_state, qkv[:, t, :, None]], axis=2)          # [B, 3, C, HD]
+        conv = short_conv(window, w["conv"]).reshape(B, 3, H, D)
+        q, k, v = l2(conv[:, 0]) * (D ** -0.5), l2(conv[:, 1]), f32(conv[:, 2])
+        s = jnp.exp(g[:, t])[..., :, None] * state
+        u = beta[:, t, :, None] * (v - jnp.sum(s * k[..., :, None], axis=-2))
+        state = s + k[..., :, None] * u[..., None, :]
+        outs.append(jnp.sum(state * q[..., :, None], axis=-2))                      # [B, H, D]
+        conv_state = window[:, :, 1:]
+        states.append(state)
+        convs.append(conv_state)
+    out = output_gate(jnp.stack(outs, axis=1), g_o, w["o_norm"], cfg.eps).reshape(B * T, H * D)
+    return bf(dot(out, w["o"])), jnp.stack(states, axis=1), jnp.stack(convs, axis=1)
+
+
+def mla_tokens(a, w: dict, k_cache, v_cache, pos, cfg: K3Config):
+    """One MLA layer over T consecutive tokens of each row at positions pos[b]..pos[b]+T-1: a [B, T, d]
+    bf16, caches [B, H, ctx, Kc] / [B, H, ctx, D] bf16 -> (y [B * T, d] bf16, caches with the T slots
+    written). `mla_layer`'s dots on all B x T rows; each query attends to the cache up to its own
+    position (one bf16 x bf16 -> f32 dot over the whole cache, a causal mask, fp32 softmax)."""
+    B, T, _ = a.shape
+    H, D, Kc = cfg.heads, cfg.head_dim, cfg.k_cache_dim
+    x = a.reshape(B * T, -1)
+    c_q = rms(bf(dot(x, w["q_a"])), w["q_a_norm"], cfg.eps)
+    kva = bf(dot(x, w["kv_a"]))
+    c_kv = rms(kva[:, :cfg.kv_rank], w["kv_a_norm"], cfg.eps)
+    k_r = kva[:, cfg.kv_rank:]
+    q = bf(dot(c_q, w["q_b"])).reshape(B * T, H, cfg.qk_head_dim)
+    kv = bf(dot(c_kv, w["kv_b"])).reshape(B * T, H, 2 * D)
+    pad = Kc - cfg.qk_head_dim
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, pad)))
+    k = jnp.concatenate([kv[..., :D], jnp.broadcast_to(k_r[:, None], (B * T, H, cfg.qk_extra)),
+                         jnp.zeros((B * T, H, pad), kv.dtype)], axis=-1)
+    heads_first = lambda z: jnp.swapaxes(z.reshape(B, T, H, -1), 1, 2)                # [B, H, T, X]
+    q, k, v = heads_first(q), heads_first(k), heads_first(kv[..., D:])
+    write = jax.vmap(lambda c, n, t: jax.lax.dynamic_update_slice_in_dim(c, n, t, axis=1))
+    k_cache, v_cache = write(k_cache, k, pos), write(v_cache, v, pos)
+    s = jnp.einsum("bhtk,bhsk->bhts", q, k_cache, preferred_element_type=F32) * cfg.mla_scale
+    token_pos = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]                     # [B, T]
+    valid = jnp.arange(k_cache.shape[2])[None, None, None, :] <= token_pos[:, None, :, None]
+    s = jnp.where(valid, s, -jnp.inf)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    o = jnp.einsum("bhts,bhsd->bhtd", p, f32(v_cache), precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=F32)                                         # unseen slots: p = 0
+    o = jnp.swapaxes(o / jnp.sum(p, axis=-1)[..., None], 1, 2).reshape(B * T, H, D)
+    gate = bf(sigmoid(bf(dot(x, w["g"])))).reshape(B * T, H, D)
+    out = bf(f32(bf(o)) * f32(gate)).reshape(B * T, H * D)
+    return bf(dot(out, w["o"])), k_cache, v_cache
+
+
+def verify_step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, experts: str = "bf16",
+                moe: str = "loop", aux_layers: tuple[int, ...] = ()):
+    """The fair XLA step as a speculative verify step (not jitted; `make_verify_step` jits it):
+    tokens [B, T] int32 (the anchor and T - 1 drafts of each row, at positions pos[b]..pos[b]+T-1)
+    -> (logits [B, T, V] f32, block), as `mk.model.reference.verify_step`: the step of `step` over
+    B x T rows (every projection, the dense MLP and the MoE on all rows at once: each weight and each
+    distinct routed expert of the B x T rows read once), KDA chained token to token (`kda_tokens`),
+    MLA causal over the T new slots (`mla_tokens`). block: kda_state [B, T, n_kda, H, D, D] and
+    conv_state [B, T, n_kda, 3, C-1, HD] (after each token), mla_k / mla_v (the T slots written),
+    aux [B, T, len(aux_layers), d] bf16 (the prefix p each aux layer starts with), and pos (the
+    step's start positions, so `commit_block` needs no cache: the step may donate it)."""
+    B, T = tokens.shape
+    pos = cache["pos"]
+    kda_state, conv_state = cache["kda_state"], cache["conv_state"]
+    kda_states, conv_states = [None] * cfg.n_kda, [None] * cfg.n_kda
+    mla_k, mla_v = cache["mla_k"], cache["mla_v"]
+    p = params["embed"][tokens.reshape(B * T)]                                        # [B*T, d] bf16
+    blocks: list[jax.Array] = []
+    aux = {}
+    for l in range(cfg.layers):
+        if l in aux_layers:
+            aux[l] = p
+        lw = _slice(params["layer"], l)
+        x = mix(p, blocks[:cfg.n_attn_blocks(l)], lw["attn_res"], cfg.eps)
+        if cfg.starts_block(l):
+            blocks.append(p)
+        a = rms(x, lw["attn_norm"], cfg.eps).reshape(B, T, -1)
+        i = cfg.family_index(l)
+        if cfg.is_mla(l):
+            y, k_i, v_i = mla_tokens(a, _slice(params["mla"], i), mla_k[:, i], mla_v[:, i], pos, cfg)
+            mla_k, mla_v = mla_k.at[:, i].set(k_i), mla_v.at[:, i].set(v_i)
+        else:
+            y, kda_states[i], conv_states[i] = kda_tokens(a, _slice(params["kda"], i), kda_state[:, i],
+                                                          conv_state[:, i], cfg)
+        p = y if cfg.starts_block(l) else bf(p + y)
+        x = mix(p, blocks[:cfg.n_mlp_blocks(l)], lw["mlp_res"], cfg.eps)
+        m = rms(x, lw["ffn_norm"], cfg.eps)
+        z = dense_layer(m, params["dense"], cfg) if l == 0 else moe_layer(m, params, l - 1, cfg, experts, moe)[0]
+        p = bf(p + z)
+    h = mix(p, blocks, params["output_res"], cfg.eps)
+    logits = dot(rms(h, params["final_norm"], cfg.eps), params["lm_head"]).reshape(B, T, -1)
+    rows = lambda x: x.reshape(B, T, -1)
+    block = {"kda_state": jnp.stack(kda_states, axis=2), "conv_state": jnp.stack(conv_states, axis=2),
+             "mla_k": mla_k, "mla_v": mla_v, "pos": pos,
+             "aux": (jnp.stack([rows(aux[l]) for l in aux_layers], axis=2) if aux_layers else
+                     jnp.zeros((B, T, 0, cfg.dim), BF16))}
+    return logits, block
+
+
+def commit_block(cache, block: dict, count) -> dict:
+    """`mk.model.reference.commit` from the block alone (its pos): the cache after accepting rows
+    0..count[b] of each row's verify block; `cache` is not read (the verify step donated it)."""
+    from mk.model.reference import commit
+    return commit({"pos": block["pos"]}, block, jnp.asarray(count, jnp.int32))
+
+
+def make_verify_step(cfg: K3Config, experts: str = "bf16", moe: str = "loop", aux_layers: tuple[int, ...] = ()):
+    """`verify_step` jitted with the cache donated, as `make_baseline_step` jits the decode step:
+    verify(params, cache, tokens [B, T]) -> (logits [B, T, V] f32, block)."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, found {experts!r}")
+    if moe not in MOE_MODES:
+        raise ValueError(f"moe must be one of {MOE_MODES}, found {moe!r}")
+    return jax.jit(functools.partial(verify_step, cfg=cfg, experts=experts, moe=moe, aux_layers=tuple(aux_layers)),
+                   donate_argnums=(1,))
+
+
+class XlaVerifier:
+    """The fair XLA step as a speculative verifier (`mk.kernel.speculative`'s interface, as
+    `ReferenceVerifier` and `mk.kernel.step.KernelVerifier`): `verify_step` over batch x (1 + k) rows,
+    the reference's cache layout (`init_cache`, `adopt` as they are), rollback by `commit_block`.
+    experts: the format `params` holds the routed experts in (as `make_baseline_step`)."""
+
+    def __init__(self, cfg: K3Config, experts: str = "bf16", moe: str = "loop"):
+        self.cfg, self.experts, self.moe = cfg, experts, moe
+        self._steps: dict = {}
+        self._step(())                                        # the options checked here
+
+    def _step(self, aux_layers):
+        aux_layers = tuple(aux_layers)
+        if aux_layers not in self._steps:
+            self._steps[aux_layers] = make_verify_step(self.cfg, self.experts, self.moe, aux_layers)
+        return self._steps[aux_layers]
+
+    def init_cache(self, batch: int, ctx: int) -> dict:
+        from mk.model.reference import init_cache
+        return init_cache(self.cfg, batch, ctx)
+
+    def adopt(self, cache: dict) -> dict:
+        return cache
+
+    def verify(self, params, cache, tokens, aux_layers=()):
+        """tokens [B, 1 + k] -> (logits [B, 1 + k, V] f32, block); the cache is donated (consumed)."""
+        return self._step(aux_layers)(params, cache, jnp.asarray(tokens, jnp.int32))
+
+    def commit(self, cache, block, count):
+        return commit_block(cache, block, count)
+
+    def traced(self, params, aux_layers):
+        """(weights, verify(weights, cache, tokens), commit(cache, block, count)), traceable, for
+        `mk.kernel.speculative.device_generate`."""
+        verify = functools.partial(verify_step, cfg=self.cfg, experts=self.experts, moe=self.moe,
+                                   aux_layers=tuple(aux_layers))
+        return params, verify, commit_block
+
+
 def abstract_params(cfg: K3Config, experts: str = "bf16") -> dict:
     """ShapeDtypeStructs of the params tree the step reads in `experts` format (no memory)."""
     from mk.model import params as params_mod

@@ -968,8 +968,12 @@ def drafter_bytes(dc, batch: int, k: int, context: int = DEFAULT_CONTEXT) -> flo
     return 2.0 * (weights + rows) + 4.0 * batch * (1 + k) * dc.vocab
 
 
+VERIFY_ROUTINGS = ("rows", "sequence")
+
+
 def speculative(cfg: K3Config, batch: int, k: int, acceptance: float, system="tpu-v7x16", *,
-                context: int = DEFAULT_CONTEXT, plans: Sequence[str] = PLANS, **predict_kw) -> dict:
+                context: int = DEFAULT_CONTEXT, plans: Sequence[str] = PLANS, verify_routing: str = "rows",
+                **predict_kw) -> dict:
     """Modelled speculative decoding at acceptance length `acceptance` (tokens a step, 1..k + 1):
     a verify step of batch x (1 + k) rows (`predict` at that many rows: the same weight traffic and
     MoE activation as a decode step of those rows; the KDA row chaining is not modelled), plus the
@@ -977,7 +981,17 @@ def speculative(cfg: K3Config, batch: int, k: int, acceptance: float, system="tp
     its weights assumed split over them, as the target's), against plain decoding's step of `batch`
     rows. Per plan: verify_s, drafter_s, step_s, tokens_per_s = batch x acceptance / step_s,
     plain_tokens_per_s, speedup, drafter_share; plus the seed's published DSpark tokens/s where
-    data/published.csv has it (`dspark_al<L>`, read after the model)."""
+    data/published.csv has it (`dspark_al<L>`, read after the model).
+
+    verify_routing: which experts the verify step's rows stream (each distinct routed expert once a
+    step). "rows": every one of the batch x (1 + k) rows routes on its own, uniformly (`expert_counts`
+    at that many rows: distinct drafts); "sequence": the 1 + k rows of a sequence route as one token
+    (the distinct experts of `batch` rows), the case of a verify step whose rows repeat one token,
+    as `mk bench --mode speculative` times it (`mk.perf.spec_bench.verify_ms`). The row count is the
+    model's one term that grows the verify step past the decode step: at 8 rows of k3-chip, 15.9 of
+    16 experts a layer under "rows" against 8 under "sequence" (docs/performance.md)."""
+    if verify_routing not in VERIFY_ROUTINGS:
+        raise SimError(f"--verify-routing must be one of {', '.join(VERIFY_ROUTINGS)}, found {verify_routing!r}")
     if not 1 <= acceptance <= k + 1:
         raise SimError(f"--acceptance must lie in 1..{k + 1} (1 + --speculative), found {acceptance:g}")
     if batch * (1 + k) > planlib.MAX_ROWS:
@@ -985,16 +999,29 @@ def speculative(cfg: K3Config, batch: int, k: int, acceptance: float, system="tp
                        f"exceeds the {planlib.MAX_ROWS} rows a step allows (k <= {planlib.max_drafts(batch)} at "
                        f"batch {batch})")
     s = _system(system)
-    verify = predict(cfg, batch * (1 + k), s, context=context, plans=plans, **predict_kw)
     plain = predict(cfg, batch, s, context=context, plans=plans, **predict_kw)
+    rows = batch * (1 + k)
+    if verify_routing == "rows":
+        verify = predict(cfg, rows, s, context=context, plans=plans, **predict_kw)["_results"]
+    else:                                           # each plan's experts of `batch` rows, on B x (1 + k) rows
+        straggler = predict_kw.get("straggler", True)
+        alike = {p: expert_counts(cfg, batch, r.plan.layout, straggler) for p, r in plain["_results"].items()}
+        verify = {}
+        if "mk" in alike:
+            verify["mk"] = predict(cfg, rows, s, context=context, plans=("mk",),
+                                   **dict(predict_kw, mk_distinct_experts=alike["mk"]))["_results"]["mk"]
+        if "seed" in alike:
+            with hwlib.published_locked():
+                verify["seed"] = model(cfg, rows, s, "seed", context=context, straggler=straggler,
+                                       distinct_experts=alike["seed"])
     dc = drafter_config(cfg)
     drafter_s = drafter_bytes(dc, batch, k, context) / s.devices / s.value("dma_bw")
-    out = {"system": s.name, "batch": batch, "k": k, "acceptance": acceptance, "rows": batch * (1 + k),
-           "context": context, "drafter": f"{'DSpark (spec 4.1)' if dc.hidden == 7168 else 'config_for(cfg)'}: "
+    out = {"system": s.name, "batch": batch, "k": k, "acceptance": acceptance, "rows": rows,
+           "verify_routing": verify_routing, "context": context, "drafter": f"{'DSpark (spec 4.1)' if dc.hidden == 7168 else 'config_for(cfg)'}: "
            f"{dc.layers} layer(s), hidden {dc.hidden}", "drafter_assumption": "weights split over the devices"
            if s.devices > 1 else None}
-    for p in verify["_results"]:
-        v, d = verify["_results"][p].step_time, plain["_results"][p].step_time
+    for p in verify:
+        v, d = verify[p].step_time, plain["_results"][p].step_time
         step = v + drafter_s
         out[p] = {"verify_s": v, "drafter_s": drafter_s, "step_s": step, "decode_step_s": d,
                   "verify_over_decode": v / d, "drafter_share": drafter_s / step,

@@ -18,7 +18,9 @@ time (the chunk program's device time in a trace of the same run), each beside p
 speculative step's device time (`drafter_share`).
 
 Impls: "kernel" (`mk.kernel.step.KernelVerifier`) and "xla", the fair XLA step (`mk.perf.baseline`):
-its plain rows are timed; it has no verify step, so its speculative rows say so (not run).
+its plain rows from its decode step, its speculative rows from its verify step
+(`mk.perf.baseline.XlaVerifier`: the same step over B x (1 + k) rows, rolled back as the
+reference's), with the same drafter, forced acceptance and device loop as the kernel's.
 Off a TPU it refuses, like `mk bench`: interpret mode is no speed claim.
 """
 from __future__ import annotations
@@ -41,7 +43,6 @@ from mk.perf.bench import BenchError, check_mode_options, chip_of_device, genera
 
 SPEC_IMPLS = ("kernel", "xla")
 PROMPT_TOKENS = 4           # the prompt of every row: a short one, as a user types
-NO_XLA_VERIFY = "the fair XLA step (mk.perf.baseline) has no verify step"
 
 
 def cases(batches: Sequence[int], ks: Sequence[int], lengths: Sequence[int] | None) -> list[tuple[int, int, list[int]]]:
@@ -109,14 +110,17 @@ def drafter_ms(drafter, batch: int, k: int, ctx: int, calls: int = 5) -> float |
     return 1e3 * s / calls if s else None
 
 
-def verify_ms(verifier, cfg: K3Config, batch: int, k: int, ctx: int, calls: int = 5) -> float | None:
-    """Device ms of the verify step alone (`verifier.verify`, each call's cache committed at count 0
-    for the next: the step donates its cache), traced."""
+def verify_ms(verifier, cfg: K3Config, batch: int, k: int, ctx: int, calls: int = 5, *, params=None,
+              aux_layers=None) -> float | None:
+    """Device ms of the verify step alone (`verifier.verify` on `params`, None for a verifier that
+    packed its own, with `aux_layers` where given; each call's cache committed at count 0 for the
+    next: the step donates its cache), traced."""
     state = {"cache": verifier.init_cache(batch, ctx)}
     tokens = jnp.zeros((batch, 1 + k), jnp.int32)
+    aux = {} if aux_layers is None else {"aux_layers": tuple(aux_layers)}
 
     def run():                                   # a fresh count: it becomes the cache's state_row, donated next
-        logits, block = verifier.verify(None, state["cache"], tokens)
+        logits, block = verifier.verify(params, state["cache"], tokens, **aux)
         state["cache"] = verifier.commit(state["cache"], block, jnp.zeros((batch,), jnp.int32))
         return logits
     jax.block_until_ready(run())                                                    # compiles
@@ -197,14 +201,15 @@ def measure_speculative(cfg: K3Config, batches: Sequence[int] = (1, 2), ks: Sequ
                 kcache.clear()
                 gc.collect()
             for _, k, Ls in [c for c in todo if c[0] == B]:
-                if impl != "kernel":
-                    rows += [dict(base, k=k, L=L, error=NO_XLA_VERIFY) for L in Ls]
-                    continue
                 verifier, programs = None, {}
                 try:                                # its plan, weights and verify step; a failure: each L says why
-                    verifier = KernelVerifier(params, cfg, B, k, dc.aux_layers, ctx=ctx, experts=experts)
-                    per_k = {"verify_ms": verify_ms(verifier, cfg, B, k, ctx),
-                             "drafter_ms": drafter_ms(drafter, B, k, ctx)}
+                    if impl == "kernel":
+                        verifier = KernelVerifier(params, cfg, B, k, dc.aux_layers, ctx=ctx, experts=experts)
+                        timed = verify_ms(verifier, cfg, B, k, ctx)
+                    else:
+                        verifier = baseline.XlaVerifier(cfg, experts)
+                        timed = verify_ms(verifier, cfg, B, k, ctx, params=params, aux_layers=dc.aux_layers)
+                    per_k = {"verify_ms": timed, "drafter_ms": drafter_ms(drafter, B, k, ctx)}
                 except Exception as e:
                     per_k = {"error": _error(e)}
                 for L in Ls:
