@@ -111,12 +111,15 @@ def drafter_ms(drafter, batch: int, k: int, ctx: int, calls: int = 5) -> float |
 
 
 def verify_ms(verifier, cfg: K3Config, batch: int, k: int, ctx: int, calls: int = 5, *, params=None,
-              aux_layers=None) -> float | None:
+              aux_layers=None, seed: int = 0) -> float | None:
     """Device ms of the verify step alone (`verifier.verify` on `params`, None for a verifier that
     packed its own, with `aux_layers` where given; each call's cache committed at count 0 for the
-    next: the step donates its cache), traced."""
+    next: the step donates its cache), traced. Its B x (1 + k) rows are random token ids drawn from
+    `seed`, as a drafter's guesses are distinct tokens: each row routes on its own. (Rows repeating one
+    token route as one and stream a decode step's experts: the verify step's cost past a decode step
+    is the experts its rows add, `mk simulate --speculative --verify-routing`.)"""
     state = {"cache": verifier.init_cache(batch, ctx)}
-    tokens = jnp.zeros((batch, 1 + k), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab, (batch, 1 + k)), jnp.int32)
     aux = {} if aux_layers is None else {"aux_layers": tuple(aux_layers)}
 
     def run():                                   # a fresh count: it becomes the cache's state_row, donated next
@@ -205,10 +208,10 @@ def measure_speculative(cfg: K3Config, batches: Sequence[int] = (1, 2), ks: Sequ
                 try:                                # its plan, weights and verify step; a failure: each L says why
                     if impl == "kernel":
                         verifier = KernelVerifier(params, cfg, B, k, dc.aux_layers, ctx=ctx, experts=experts)
-                        timed = verify_ms(verifier, cfg, B, k, ctx)
+                        timed = verify_ms(verifier, cfg, B, k, ctx, seed=seed)
                     else:
                         verifier = baseline.XlaVerifier(cfg, experts)
-                        timed = verify_ms(verifier, cfg, B, k, ctx, params=params, aux_layers=dc.aux_layers)
+                        timed = verify_ms(verifier, cfg, B, k, ctx, params=params, aux_layers=dc.aux_layers, seed=seed)
                     per_k = {"verify_ms": timed, "drafter_ms": drafter_ms(drafter, B, k, ctx)}
                 except Exception as e:
                     per_k = {"error": _error(e)}
