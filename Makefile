@@ -1,6 +1,7 @@
 # mk: the two commands of the README, and what they need.
 #   make run   - execute every notebook headless (papermill) on the mini config -> runs/<timestamp>/
-#   make test  - the whole test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval)
+#   make test  - the test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval), < 15 min on 2 cores
+#   make test-extended - the tests marked `extended`: more points of matrices make test covers (CI runs both)
 #   make check-sharded - the sharded kernel vs the sharded reference, 8 steps: every batch in both DMA modes on 8
 #                        devices, MXFP4 experts on both MXU paths, 4 and 2 devices (~20 min)
 #   make lock  - refresh requirements-lock.txt (the versions make installs) from the newest pyproject.toml allows
@@ -17,7 +18,7 @@ LOCK   := requirements-lock.txt
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: run test test-seeds venv lock demo clean browser lab check-sharded tpu-wheels tpu-test-wheels peer peer-wheels
+.PHONY: run test test-extended test-seeds venv lock demo clean browser lab check-sharded tpu-wheels tpu-test-wheels peer peer-wheels
 
 # The project, its extras and their dependencies at the locked versions (pip constraints).
 $(STAMP): pyproject.toml $(LOCK)
@@ -59,10 +60,15 @@ demo: $(STAMP)
 	$(PY) -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not extended" tests
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  $(PY) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
 	fi
+
+# More points of the kernel's matrices (batches, meshes, DMA modes, widths) and the benches' kernel pipelines:
+# each covers a path a test of make test already runs, at another point (~9 min on 2 cores). CI runs it after make test.
+test-extended: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m extended tests
 
 # The tests whose tolerance is a stated error model (docs/numerics.md), with params and prompts from 10 seeds:
 # a bound fitted to one seed on one machine trips on other seeds.

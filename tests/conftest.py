@@ -48,3 +48,18 @@ def pytest_collection_modifyitems(config, items):
         heavy[item.nodeid.split("::")[0]] = heavy.get(item.nodeid.split("::")[0], 0) + n
     first = {m: i for i, m in enumerate(dict.fromkeys(i.nodeid.split("::")[0] for i in items))}
     items.sort(key=lambda i: (-heavy[i.nodeid.split("::")[0]], first[i.nodeid.split("::")[0]]))
+
+
+@pytest.fixture(autouse=True)
+def _persistent_cache_off_after_each_test():
+    """A command run in-process (`mk.__main__.main([...])`) turns JAX's persistent compile cache on for
+    the whole worker process (`mk.model.compile_cache.enable`): every test after it would then write
+    every program it compiles to disk (time spent serializing large interpret-mode programs, and
+    JAX's serializer once crashed a worker there). It is turned off again after each test; the tests
+    of the cache itself run their commands in subprocesses."""
+    yield
+    import jax
+    if jax.config.jax_compilation_cache_dir:
+        from jax._src import compilation_cache
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()

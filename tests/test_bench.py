@@ -167,6 +167,7 @@ def test_generate_mode_refuses_on_cpu_in_one_line():
         bench.measure_generate(MINI, batches=(1,))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_measure_generate_pipeline(monkeypatch):
     """The device loop of the kernel (interpret mode) and the XLA step at one batch, the TPU check
@@ -293,6 +294,7 @@ def test_speculative_cases_keep_what_fits_the_rows():
     assert cases([1], [3, 7], [1, 6]) == [(1, 3, [1]), (1, 7, [1, 6])]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_measure_speculative_pipeline(monkeypatch):
     """Plain decoding and the speculative loop at L = 2 on the kernel (interpret mode) and on the
@@ -312,6 +314,7 @@ def test_measure_speculative_pipeline(monkeypatch):
                                                "B=1 k=1: L=2 - device / ")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_measure_speculative_xla_rows_run(monkeypatch):
     """`mk bench --mode speculative --impl xla` on a thinned mini (the TPU check bypassed; CPU:

@@ -20,9 +20,11 @@ from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH
 # MXFP4 codes are unpacked two bf16 patterns per integer lane at B = 1 (v5e / v6e's path) and by the
 # fp4 bitcast at B = 8 (TPU v7's; `Plan.mxfp4_unpack`). B = 4 at the default depth with bf16 experts
 # runs bit-exact in tests/test_kernel_paths.py (`mixed_run`: four rows at different positions).
+# `make test` runs the unmarked cases, `make test-extended` the two marked `extended`.
 CASES = [(1, 0, "bf16", "bf16", "auto"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "bf16", "pairs"),
-         (2, 1, "bf16", "bf16", "auto"),
-         (8, 0, "bf16", "bf16", "auto"), (8, DEFAULT_PREFETCH_DEPTH, "mxfp4", "fp8", "bitcast")]
+         pytest.param(2, 1, "bf16", "bf16", "auto", marks=pytest.mark.extended),
+         pytest.param(8, 0, "bf16", "bf16", "auto", marks=pytest.mark.extended),
+         (8, DEFAULT_PREFETCH_DEPTH, "mxfp4", "fp8", "bitcast")]
 
 
 @pytest.fixture(scope="module")

@@ -195,6 +195,7 @@ def _unpack_tiles(codes, scales, m):
     return untile(unwords(codes, 8, 4, True)), untile(unwords(scales, 4, 8, False))
 
 
+@pytest.mark.extended
 def test_mxfp4_latent_slices_not_a_multiple_of_the_scale_group_stay_lossless():
     """latent / devices = 56 (mini-tp8 with latent 448, 8 devices): a 32-row scale group of w1/w3
     (K = latent) spans two ranks' slices. Each rank's slice sits at lane (rank * 56) mod 32 of its

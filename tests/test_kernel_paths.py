@@ -377,6 +377,7 @@ def k3_widths_config():
 K3_TILE = (1024, 1024)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_k3_widths_step():
     """One decode step at K3 widths, kernel vs reference. Tiles of 1024 x 1024 (the plan's tile is
@@ -410,6 +411,7 @@ def test_bit_exact_on_mini(mini, mini_b1):
         np.testing.assert_array_equal(np.asarray(k_cache[n], np.float32), np.asarray(r_cache[n], np.float32), err_msg=n)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_bit_exact_on_mini_tp8_batch8():
     """8 heads, 8 rows, matrices deeper than one 512-row chunk, a later step with a non-zero KDA

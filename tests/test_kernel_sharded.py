@@ -49,7 +49,8 @@ def _assert_bit_exact(res):
     assert res["replicated_bit_identical"] and not res["replicated_diff"], res["replicated_diff"]
 
 
-# (devices, batch, steps, DMA mode, experts, all-reduce rounds, MXFP4 MXU path, latent): batch 1,
+# (devices, batch, steps, DMA mode, experts, all-reduce rounds, MXFP4 MXU path, latent; `make test` runs
+# the 4-device case, `make test-extended` the others; `make check-sharded` the whole matrix): batch 1,
 # 2, 4 and 8, both DMA modes, 8, 4 and 2 devices, one- and two-round all-reduces, two steps each
 # (the second from a nonzero KDA state). Sized for interpret mode: every collective round is 7
 # remote DMAs per device on 8 devices, ~4 ms each. On 8 devices the routed experts are MXFP4
@@ -62,8 +63,10 @@ def _assert_bit_exact(res):
 # `mk.model.layout.latent_offsets`); at B = 8 (latent 256) every slice sits at lane 0. (The sharded
 # reference at latent 448 against `mk.model.reference`, 3 steps, B = 4: logits max |err| 0.036,
 # mean 0.006, inside tests/test_reference_sharded.py's tolerances.)
-CASES = [(8, 1, 2, "on_wait", "mxfp4", "one_round", "bf16", 448), (8, 8, 2, "eager", "mxfp4", "one_round", "fp8", 256),
-         (4, 4, 2, "on_wait", "bf16", "two_round", "bf16", 256), (2, 2, 2, "on_wait", "bf16", "one_round", "bf16", 256)]
+CASES = [pytest.param(8, 1, 2, "on_wait", "mxfp4", "one_round", "bf16", 448, marks=pytest.mark.extended),
+         pytest.param(8, 8, 2, "eager", "mxfp4", "one_round", "fp8", 256, marks=pytest.mark.extended),
+         (4, 4, 2, "on_wait", "bf16", "two_round", "bf16", 256),
+         pytest.param(2, 2, 2, "on_wait", "bf16", "one_round", "bf16", 256, marks=pytest.mark.extended)]
 # collective rounds per step on mini-tp8 (4 layers): the embedding sum, then per layer the attention
 # output, then layer 0's dense MLP or the MoE's latent gather, routed sum and output sum; a
 # two-round all-reduce is two rounds

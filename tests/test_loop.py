@@ -172,6 +172,7 @@ def test_sharded_reference_on_a_mesh_of_two():
     assert res["tokens"].tolist() == host.tolist()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_kernel_on_a_mesh_of_two():
     """The interpret-mode kernel split over two virtual devices inside the device loop: the host loop's tokens."""
@@ -263,6 +264,7 @@ def test_speculative_device_loop_sampling(params, host_greedy, drafter):
     assert tiny.tolist() == host_greedy[:, :6].tolist()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_speculative_device_loop_on_the_kernel(params, host_greedy, drafter):
     """The kernel's verify step (interpret mode: per-row states, rollback by state_row, aux rows

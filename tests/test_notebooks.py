@@ -265,6 +265,7 @@ def device_events_of(text):
     return device_events(ProfileData.from_text_proto(text))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_kernel_sweep_and_verify_times_run_in_interpret_mode():
     """The chip's measurement helpers, on mini in interpret mode (times meaningless, plumbing real):
