@@ -293,6 +293,13 @@ def test_a_second_process_reuses_the_compile_cache(tmp_path):
     first, err = _generate_process(tmp_path / "jax")
     second, _ = _generate_process(tmp_path / "jax")
     assert second["tokens"] == first["tokens"]
+    # What the second process loads (mini, --backend reference, host-drawn weights): nothing for the
+    # weights (numpy draws cast on the host and device_put: no program), and 4 programs in the
+    # rehearsal: the empty caches (one jitted init_cache), the step the sequential prefill
+    # dispatches, the first token (its PRNG key made inside), the decode chunk; all from the cache.
+    assert second["programs"]["weights"]["compiles"] == 0, second["programs"]
+    assert second["programs"]["rehearsal"]["compiles"] <= 4, second["programs"]
+    assert second["programs"]["rehearsal"]["cache_loads"] == second["programs"]["rehearsal"]["compiles"]
     assert first["cache"]["dir"] == str(tmp_path / "jax") and first["cache"]["entries"] > 0
     assert second["cache"]["entries"] == first["cache"]["entries"]           # nothing new to store
     assert second["compile_s"] < 0.3 * first["compile_s"], (first["compile_s"], second["compile_s"])

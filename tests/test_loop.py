@@ -315,3 +315,12 @@ def test_speculative_device_loop_fixed_acceptance_on_the_kernel(params, drafter)
     res, per_step = fixed_run(params, drafter, 2, verifier=verifier)
     assert per_step == [[2, 2], [2, 2]] and res["positions"].tolist() == [4, 4]
     assert res["in_clock"] == NOTHING, res["in_clock"]
+
+
+@pytest.mark.parametrize("number", [0, 7, 2**31 - 1, 2**31, 2**32 + 3])
+def test_the_first_token_key_is_prngkey_of_the_seed(number):
+    """`loop.seed_word(number)` made into a key inside the first-token program is the key
+    `jax.random.PRNGKey(number)` gives on the host (the host loop's), for seeds past int32 too."""
+    import jax
+    made = jax.jit(jax.random.PRNGKey)(loop.seed_word(number))
+    np.testing.assert_array_equal(np.asarray(made), np.asarray(jax.random.PRNGKey(number)))

@@ -13,7 +13,9 @@ JSON object instead: tokens (one list per row), prompt_tokens, compile_s (prefil
 programs, before the clock starts), ttft_s (time to first token on the host), prefill_s,
 prefill_tokens_per_s, decode_s, tokens_per_s (decode tokens/s: tokens after each row's first /
 decode_s), chunk, chunks, decode_steps, backend, config, the sampling settings, in_clock (what JAX
-compiled or traced while the clock ran: 0), timeline (seconds from mk's start: setup_s (imports,
+compiled or traced while the clock ran: 0), programs (the same for the weights and for the
+rehearsal before the clock: {"weights", "rehearsal"}, each compiles (cache loads included),
+cache_loads and traces; `mk.model.compile_cache.Counts`), timeline (seconds from mk's start: setup_s (imports,
 the devices found), weights_s, compile_s, ttft_s, decode_s, total_s; one line on stderr either way)
 and cache (the persistent compile cache: dir, entries, bytes; null with --no-cache). `--prefill
 sequential` (default) runs the prompt through the decode step token by token (no host sync); `parallel` calls
@@ -166,6 +168,31 @@ def _step_fn(args, params, cfg, ctx, mesh=None):
     return make(params, cfg, args.batch, ctx=ctx, **({} if mesh is None else {"mesh": mesh}), **step_options(args))
 
 
+def _weights(args, cfg, ctx, mesh):
+    """(params, step_fn): the weights (random, or the checkpoint's) on the device, and for --backend
+    kernel packed for the kernel (`_step_fn`); returns once they are there."""
+    import jax
+    if args.checkpoint is not None:
+        ckpt = _optional_module("mk.io.checkpoint", "--checkpoint")
+        # the kernel streams the checkpoint's MXFP4 experts packed; the reference computes in bf16
+        experts = "mxfp4" if args.backend == "kernel" else "bf16"
+        params = (ckpt.load(args.checkpoint, progress=on_terminal(not args.json), experts=experts) if mesh is None
+                  else ckpt.load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.json), experts=experts))
+    else:
+        from mk.model.params import init, init_fast
+        params = init(cfg, args.seed) if args.experts == "bf16" else init_fast(cfg, args.seed, "mxfp4")
+        if mesh is not None:
+            from mk.model.reference_sharded import shard_params
+            params = shard_params(params, mesh)
+    if mesh is None or args.backend == "kernel":
+        step_fn = _step_fn(args, params, cfg, ctx, None if mesh is None else mesh.size)
+    else:                                                   # the sharded reference over the mesh
+        from mk.model.reference_sharded import step_fn_for
+        step_fn = step_fn_for(cfg, mesh)
+    jax.block_until_ready(params)
+    return params, step_fn
+
+
 def run(args) -> int:
     _check_options(args)
     cfg = _model_config(args)
@@ -192,24 +219,9 @@ def run(args) -> int:
     from mk.cli.distributed import is_main_process, mesh_from_args
     mesh = mesh_from_args(args, cfg, args.backend)          # None: one device
     clock.mark("setup_s")
-    if args.checkpoint is not None:
-        ckpt = _optional_module("mk.io.checkpoint", "--checkpoint")
-        # the kernel streams the checkpoint's MXFP4 experts packed; the reference computes in bf16
-        experts = "mxfp4" if args.backend == "kernel" else "bf16"
-        params = (ckpt.load(args.checkpoint, progress=on_terminal(not args.json), experts=experts) if mesh is None
-                  else ckpt.load_sharded(args.checkpoint, mesh, progress=on_terminal(not args.json), experts=experts))
-    else:
-        from mk.model.params import init, init_fast
-        params = init(cfg, args.seed) if args.experts == "bf16" else init_fast(cfg, args.seed, "mxfp4")
-        if mesh is not None:
-            from mk.model.reference_sharded import shard_params
-            params = shard_params(params, mesh)
-    if mesh is None or args.backend == "kernel":
-        step_fn = _step_fn(args, params, cfg, ctx, None if mesh is None else mesh.size)
-    else:                                                   # the sharded reference over the mesh
-        from mk.model.reference_sharded import step_fn_for
-        step_fn = step_fn_for(cfg, mesh)
-    jax.block_until_ready(params)
+    from mk.model import compile_cache
+    with compile_cache.counting() as args.weights_programs:        # --json: programs.weights
+        params, step_fn = _weights(args, cfg, ctx, mesh)
     clock.mark("weights_s")
     stop_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
     fields = {"backend": args.backend, "config": args.checkpoint or args.config or DEFAULT_CONFIG,
@@ -280,6 +292,7 @@ def _run_device_loop(args, cfg, params, step_fn, prompt, tokenizer, stop_ids, ct
         return 0
     extra = {k: res[k] for k in ("compile_s", "ttft_s", "prefill_tokens_per_s", "chunk", "chunks", "decode_steps",
                                  "in_clock")}
+    extra["programs"] = {"weights": args.weights_programs.as_dict(), "rehearsal": res["rehearsal"]}
     return _print_result(args, dict(res, tokens=loop.rows(res)), prompt, tokenizer,
                          dict(fields, prefill=args.prefill, **extra), printed=stream is not None)
 

@@ -280,7 +280,7 @@ def sharded_block(plan: Plan, mesh, interpret=None):
         in_specs=(P(), P(), P(), P(ALL), (P(),) * n_tables, P(ALL), P(ALL), (P(ALL),) * len(expert_names), P(ALL),
                   state_specs),
         out_specs=((P(ALL),) * n_out, state_specs), check_vma=False)
-    row_seq, row_offset = jnp.asarray(plan.row_seq()), jnp.asarray(plan.row_offset())
+    row_seq, row_offset = plan.row_seq(), plan.row_offset()      # numpy: constants of the step (no eager program)
 
     def run(weights, cache, tokens):
         pos = cache["pos"].astype(jnp.int32)

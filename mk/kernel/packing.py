@@ -160,24 +160,29 @@ class _Packing:
 
 def _pack_share(plan: Plan, rank: int, share: dict):
     """Rank `rank`'s packed arrays from its share of the parameters (arrays, `embed` left out, on
-    the device that packs): the arrays allocated once, then each group of pieces (one stream
-    layer's dense matrices, the vector table, one MoE layer's experts) laid out and written in place
-    by one program (`_pack_group`; the parameters passed by reference), so the device holds the
-    parameters, the packed arrays and one group's blocks at a time. Also returns whether any MXFP4
-    scale byte is one the kernel cannot unpack exactly (`_bad_scales`; the caller names it)."""
-    from mk.kernel.aot import kernel_weight_shapes
-    leaves = jax.tree_util.tree_leaves(share)
-    dev = next(iter(leaves[0].devices())) if leaves and isinstance(leaves[0], jax.Array) else None
-    out = {k: jnp.zeros(shape, dtype, device=dev)
-           for k, (shape, dtype) in kernel_weight_shapes(plan).items() if k != "embed"}
-    bad = []
+    the device that packs): each group of pieces (one stream layer's dense matrices, the vector
+    table, one MoE layer's experts) laid out and written in place by one dispatch (`_pack_group`;
+    the parameters passed by reference, the packed arrays donated), so the device holds the
+    parameters, the packed arrays and one group's blocks at a time. The first dispatch allocates
+    the packed arrays (zeros) inside its program; every MoE layer runs one program, the layer an
+    argument (`_program_group`). Also returns whether any MXFP4 scale byte is one the kernel cannot
+    unpack exactly (`_bad_scales`; the caller names it)."""
     key = _Packing(plan)
+    out, bad = None, []
     for g in dict.fromkeys(p.group for p in _pieces(plan, rank)):
-        names = _group_outputs(key, rank, g)
-        part, flag = _pack_group(key, rank, g, share, {n: out.pop(n) for n in names})
-        out.update(part)
+        program, layer = _program_group(g)
+        out, flag = _pack_group(key, rank, program, share, out, layer)
         bad.append(flag)
     return out, any(bool(b) for b in bad)
+
+
+def _program_group(group) -> tuple:
+    """(the group `_pack_group` traces, the layer it is given): MoE layer i's pieces are layer 0's
+    read from and written to layer i (`("moe",)`, i), so every MoE layer shares one program; other
+    groups are their own (layer 0, unused)."""
+    if group[0] == "moe":
+        return ("moe",), np.int32(group[1])
+    return group, np.int32(0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -188,19 +193,23 @@ def _group_pieces(key: "_Packing", rank: int) -> dict:
     return groups
 
 
-def _group_outputs(key: "_Packing", rank: int, group) -> tuple:
-    return tuple(dict.fromkeys(name for p in _group_pieces(key, rank)[group] for name, _ in p.outs))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _pack_group(key: "_Packing", rank: int, group, share: dict, out: dict):
-    """`out` (donated: written in place) with the blocks of group `group`'s pieces at their places."""
+def _pack_group(key: "_Packing", rank: int, group, share: dict, out: dict | None, layer):
+    """`out` (donated: written in place; None: allocated here, zeros) with the blocks of group
+    `group`'s pieces at their places; group ("moe",): MoE layer `layer`'s (traced), laid out as
+    layer 0's pieces are."""
+    from mk.kernel.aot import kernel_weight_shapes
     plan = key.plan
+    if out is None:
+        out = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in kernel_weight_shapes(plan).items() if k != "embed"}
+    moe = group == ("moe",)
     bad = jnp.zeros((), bool)
-    for piece in _group_pieces(key, rank)[group]:
-        arrays = piece.read(share)
+    for piece in _group_pieces(key, rank)[("moe", 0) if moe else group]:
+        arrays = piece.read(share, layer=layer) if moe else piece.read(share)
         bad |= _bad_scales(plan, piece, arrays)
         for (name, start), block in zip(piece.outs, _lay(plan, piece.lay, *arrays)):
+            if moe:                                  # layer 0's start, at layer `layer`
+                start = (layer, *start[1:])
             out[name] = jax.lax.dynamic_update_slice(out[name], block, start)
     return out, bad
 

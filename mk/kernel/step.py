@@ -78,7 +78,8 @@ def kernel_weights(plan: Plan, params: dict, mesh=None) -> dict:
             blocks.setdefault(k, []).append(x)
     out = {k: jax.make_array_from_single_device_arrays((N * v[0].shape[0],) + v[0].shape[1:], sharding, v)
            for k, v in blocks.items()}
-    out["embed"] = jax.device_put(np.asarray(params["embed"]), sharding)
+    embed = params["embed"]                 # a jax array stays on the device (no round trip through the host)
+    out["embed"] = jax.device_put(embed if isinstance(embed, jax.Array) else np.asarray(embed), sharding)
     return jax.block_until_ready(out)
 
 

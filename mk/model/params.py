@@ -132,7 +132,8 @@ def init(cfg: K3Config, seed: int = 0, *, on_device: bool | None = None) -> dict
     structs = shapes(cfg)
 
     def make(path, s: jax.ShapeDtypeStruct):
-        return jnp.asarray(draw(cfg, tuple(p.key for p in path), s.shape, rng), s.dtype)
+        # cast on the host and device_put: jnp.asarray compiles a program per shape (a cast or a copy)
+        return jax.device_put(draw(cfg, tuple(p.key for p in path), s.shape, rng).astype(s.dtype))
 
     return jax.tree_util.tree_map_with_path(make, structs)
 

@@ -34,9 +34,16 @@ DEFAULT_CTX = 256
 
 
 def init_cache(cfg: K3Config, batch: int, ctx: int = DEFAULT_CTX) -> dict:
-    """Empty caches for `batch` rows at position 0; ctx = MLA cache capacity (a multiple of 128)."""
+    """Empty caches for `batch` rows at position 0; ctx = MLA cache capacity (a multiple of 128).
+    One jitted program (`_empty_cache`: eager `jnp.zeros` compiled, or loaded from the persistent
+    cache, one small program per leaf shape and dtype)."""
     if ctx % 128 or ctx <= 0:
         raise ValueError(f"ctx must be a positive multiple of 128, found {ctx}")
+    return _empty_cache(cfg, batch, ctx)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _empty_cache(cfg: K3Config, batch: int, ctx: int) -> dict:
     H, D, HD = cfg.heads, cfg.head_dim, cfg.attn_width
     return {
         "pos": jnp.zeros((batch,), jnp.int32),
