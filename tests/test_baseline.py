@@ -45,14 +45,14 @@ def run_both(step_params, ref_params, batch, experts, moe="loop", steps=4, seed=
     return logit_err, cache_err, float(np.mean(scales))
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, pytest.param(4, marks=pytest.mark.extended)])
 def test_bf16_agrees_with_reference(params, batch):
     logit_err, cache_err, scale = run_both(params, params, batch, "bf16")
     assert LOGIT_SCALE[0] < scale < LOGIT_SCALE[1]
     assert logit_err <= LOGIT_TOL and cache_err <= CACHE_TOL, (logit_err, cache_err)
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, pytest.param(4, marks=pytest.mark.extended)])
 def test_mxfp4_agrees_with_reference_on_dequantized_weights(packed, batch):
     logit_err, cache_err, _ = run_both(packed, dequantize_experts(packed), batch, "mxfp4")
     assert logit_err <= LOGIT_TOL and cache_err <= CACHE_TOL, (logit_err, cache_err)

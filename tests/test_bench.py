@@ -123,6 +123,7 @@ def test_kernel_weights_are_reused_only_for_an_equal_packing():
     assert bench.pack_key(mx["pairs"]) != bench.pack_key(mx["shift"])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_measure_pipeline_on_mini(monkeypatch):
     """All impls at B = 2 (one batch: each interpret-mode case costs ~15 s here), the TPU check

@@ -20,11 +20,11 @@ from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH
 # MXFP4 codes are unpacked two bf16 patterns per integer lane at B = 1 (v5e / v6e's path) and by the
 # fp4 bitcast at B = 8 (TPU v7's; `Plan.mxfp4_unpack`). B = 4 at the default depth with bf16 experts
 # runs bit-exact in tests/test_kernel_paths.py (`mixed_run`: four rows at different positions).
-# `make test` runs the unmarked cases, `make test-extended` the two marked `extended`.
+# `make test` runs the B = 1 cases, `make test-extended` the others.
 CASES = [(1, 0, "bf16", "bf16", "auto"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "bf16", "pairs"),
          pytest.param(2, 1, "bf16", "bf16", "auto", marks=pytest.mark.extended),
          pytest.param(8, 0, "bf16", "bf16", "auto", marks=pytest.mark.extended),
-         (8, DEFAULT_PREFETCH_DEPTH, "mxfp4", "fp8", "bitcast")]
+         pytest.param(8, DEFAULT_PREFETCH_DEPTH, "mxfp4", "fp8", "bitcast", marks=pytest.mark.extended)]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,7 @@ def test_kernel_matches_reference(mini, batch, depth, experts, mxfp4_matmul, unp
     _assert_close(res)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_kernel_eager_dma_mode(mini):
     """In 'eager' DMA mode a missing wait would silently read the right data; 'on_wait' (above)

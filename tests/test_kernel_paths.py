@@ -116,6 +116,7 @@ def mini_b1(mini):
 
 
 # ---- 1. MLA past the first cache block, 8 heads per loop step ---------------------------------------
+@pytest.mark.extended
 @pytest.mark.slow
 def test_mla_crosses_cache_block():
     """mini with 8 heads: prefill 127 positions with the reference, then kernel and reference side by
@@ -230,6 +231,7 @@ def mixed_run(mini):
                 log=log.events, routing=routing)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_rows_at_different_positions(mixed_run):
     run = mixed_run
@@ -339,6 +341,7 @@ def test_runtime_dma_order_is_the_plans_schedule(mixed_run):
 
 
 # ---- 3. weights from a checkpoint ----------------------------------------------------------------
+@pytest.mark.extended
 @pytest.mark.slow
 def test_kernel_on_checkpoint_weights(tmp_path):
     """`mk.io.synth` writes a mini checkpoint (MXFP4 experts), `mk.io.checkpoint` loads it with the
@@ -483,6 +486,7 @@ def test_thin_widths_step_on_the_default_small_tiles(seed):
     assert order_violations_vs_reference(got, transposed_tile(params), cfg, tokens)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_thin_widths_mxfp4_step_on_padded_512_tiles():
     """The same thin widths with MXFP4 experts: `default_tile` picks 512 x 512 (the unpack's fewest

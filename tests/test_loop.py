@@ -253,6 +253,7 @@ def test_speculative_device_loop_accepts_drafts(params, host_greedy, drafter, mo
     assert res["acceptance"] == [2.0, 2.0] and res["steps"] == 4        # 1 + 4 x 2 tokens, the last one cut
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_speculative_device_loop_sampling(params, host_greedy, drafter):
     from mk.kernel import speculative as sp

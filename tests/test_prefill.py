@@ -147,6 +147,7 @@ def test_a_planted_fault_fails_the_comparison(setup, fault, compare, monkeypatch
         module.prefill_chunk.clear_cache()
 
 
+@pytest.mark.extended
 def test_greedy_continuation_after_prefill(setup):
     """Greedy decoding from the parallel prefill's caches picks the same tokens as from the
     token-by-token prefill's."""
@@ -210,6 +211,7 @@ def test_prefill_bench_refuses_off_tpu():
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.extended
 def test_prefill_mxfp4_experts_equal_their_dequantization():
     """Packed MXFP4 experts (dequantized layer by layer inside the program) give the logits and
     caches of the same prefill on their bf16 dequantization. (The packed path sums the even and odd

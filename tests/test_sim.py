@@ -212,6 +212,7 @@ def test_step_overhead_and_determinism():
 
 
 # ---- one plan type: what the kernel runs is what the simulator replays ------------------------------
+@pytest.mark.extended
 def test_kernel_plan_is_the_simulated_plan_on_mini_tp8():
     """The kernel's plan for mini-tp8 on 8 devices (built by `mk.kernel.step.make_step_fn`, which packs the
     weights for it) is a `mk.kernel.plan.Plan` and the simulator replays exactly its entries."""
@@ -352,6 +353,7 @@ def mk_steps(mk_b1):
     return {b: mk_b1 if b == 1 else sim.predict(K3, b, "tpu-v7x16", plans=("mk",)) for b in MK_PINNED_MS}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("batch", sorted(MK_PINNED_MS))
 def test_pinned_mk_plan_step_times(mk_steps, batch):
     assert mk_steps[batch]["mk"]["step_time_s"] / MS == pytest.approx(MK_PINNED_MS[batch], rel=0.005)
@@ -411,6 +413,7 @@ def test_trace_opens_with_one_track_per_engine(tmp_path):
 
 
 # ---- the CLI --------------------------------------------------------------------------------------
+@pytest.mark.extended
 def test_cli_json_gives_every_batch_both_plans(capsys, tmp_path):
     from mk.__main__ import main
     assert main(["simulate", "--config", "k3", "--system", "tpu-v7x16,gb200x16", "--batch", "1,8", "--json",

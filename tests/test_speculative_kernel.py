@@ -117,6 +117,7 @@ def test_verify_step_matches_reference_and_rolls_back(params, verifier):
     assert_block_close(k_logits, k_block, r_logits, r_block, "step 2 (from state_rows 1 and 3)")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_greedy_speculative_through_kernel_equals_plain_greedy(params, verifier):
     """Two 124-token prompts (prefilled by the reference), then 8 tokens each: three kernel verify
@@ -183,6 +184,7 @@ def test_chip_policy_compares_each_token_with_the_teacher_forced_oracle(params):
                     "near_tie_below": 0.05}
 
 
+@pytest.mark.extended
 def test_kept_verify_logits_line_up_with_the_teacher_forced_oracle(params):
     """`generate(keep_logits=True)` keeps, per emitted token after the prefill's, the verify step's logits
     row that chose it: row i - 1 is `forced_logits`' row i (`emitted_logit_err`, the kernel's distance
