@@ -20,8 +20,9 @@ from mk.kernel.plan import DEFAULT_PREFETCH_DEPTH
 # MXFP4 codes are unpacked two bf16 patterns per integer lane at B = 1 (v5e / v6e's path) and by the
 # fp4 bitcast at B = 8 (TPU v7's; `Plan.mxfp4_unpack`). B = 4 at the default depth with bf16 experts
 # runs bit-exact in tests/test_kernel_paths.py (`mixed_run`: four rows at different positions).
-# `make test` runs the B = 1 cases, `make test-extended` the others.
-CASES = [(1, 0, "bf16", "bf16", "auto"), (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "bf16", "pairs"),
+# `make test` runs the MXFP4 case at B = 1 (v5e's path), `make test-extended` the others.
+CASES = [pytest.param(1, 0, "bf16", "bf16", "auto", marks=pytest.mark.extended),
+         (1, DEFAULT_PREFETCH_DEPTH, "mxfp4", "bf16", "pairs"),
          pytest.param(2, 1, "bf16", "bf16", "auto", marks=pytest.mark.extended),
          pytest.param(8, 0, "bf16", "bf16", "auto", marks=pytest.mark.extended),
          pytest.param(8, DEFAULT_PREFETCH_DEPTH, "mxfp4", "fp8", "bitcast", marks=pytest.mark.extended)]

@@ -359,6 +359,7 @@ def test_pinned_mk_plan_step_times(mk_steps, batch):
     assert mk_steps[batch]["mk"]["step_time_s"] / MS == pytest.approx(MK_PINNED_MS[batch], rel=0.005)
 
 
+@pytest.mark.extended
 def test_mk_whatifs_are_modelled_from_the_kernels_plan():
     rows = sim.mk_whatifs(K3, 1, "tpu-v7x16")
     base = sim.predict(K3, 1, "tpu-v7x16", plans=("mk",))["mk"]["step_time_s"]
