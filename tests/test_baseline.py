@@ -174,6 +174,7 @@ def test_xla_verify_step_agrees_with_reference(tiny):
     assert logit_err > LOGIT_TOL
 
 
+@pytest.mark.extended
 def test_xla_verify_step_mxfp4(tiny):
     """MXFP4 experts dequantized in the step, one sequence x (1 + 7) rows, against the reference on
     the dequantized weights."""

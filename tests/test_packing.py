@@ -47,7 +47,7 @@ def test_mini_packs_as_the_numpy_packer(experts):
     _same_as_oracle(make_plan(cfg, 1, experts=experts), params)
 
 
-@pytest.mark.parametrize("unpack", ["pairs", "shift"])
+@pytest.mark.parametrize("unpack", ["pairs", pytest.param("shift", marks=pytest.mark.extended)])
 def test_mxfp4_leaves_packed_as_bf16_and_other_unpacks(unpack):
     """MXFP4 leaves into bf16 tiles (dequantized on the device: the loader's table), and the code
     words of the other unpacks."""

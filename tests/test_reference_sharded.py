@@ -135,7 +135,7 @@ ROUTER_TIE = 0.005   # router margin (k-th minus (k+1)-th biased score) below wh
 
 # mini-tp8 on 2 and 4 devices as well with MK_SHARDED_FULL=1 (left out of make test for time; the
 # sharded kernel tests cover 2 and 4 devices against this reference).
-@pytest.mark.parametrize("name,n", [pytest.param("mini", 2, marks=pytest.mark.extended), ("mini-tp8", 8)]
+@pytest.mark.parametrize("name,n", [pytest.param("mini", 2, marks=pytest.mark.extended), pytest.param("mini-tp8", 8, marks=pytest.mark.extended)]
                          + ([("mini-tp8", 2), ("mini-tp8", 4)] if FULL else []))
 def test_sharded_matches_reference(name, n):
     cfg = get_config(name)

@@ -89,6 +89,7 @@ def assert_block_close(k_logits, k_block, r_logits, r_block, what):
         assert c_err <= CACHE_TOL, f"{what}: {n} max abs err {c_err}"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_verify_step_matches_reference_and_rolls_back(params, verifier):
     """Two sequences, two verify steps. Step 1 at positions 126..129 (across the 127 | 128 MLA
