@@ -1,6 +1,6 @@
 # mk: the two commands of the README, and what they need.
 #   make run   - execute every notebook headless (papermill) on the mini config -> runs/<timestamp>/
-#   make test  - the test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval), < 15 min on 2 cores
+#   make test  - the test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval), ~17 min on 2 cores
 #   make test-extended - the tests marked `extended`: more points of matrices make test covers (CI runs both)
 #   make check-sharded - the sharded kernel vs the sharded reference, 8 steps: every batch in both DMA modes on 8
 #                        devices, MXFP4 experts on both MXU paths, 4 and 2 devices (~20 min)
@@ -66,7 +66,7 @@ test: $(STAMP) browser
 	fi
 
 # More points of the kernel's matrices (batches, meshes, DMA modes, widths) and the benches' kernel pipelines:
-# each covers a path a test of make test already runs, at another point (~9 min on 2 cores). CI runs it after make test.
+# each covers a path a test of make test already runs, at another point (~15 min on 2 cores). CI runs it after make test.
 test-extended: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m extended tests
 
