@@ -1,6 +1,6 @@
 # mk: the two commands of the README, and what they need.
 #   make run   - execute every notebook headless (papermill) on the mini config -> runs/<timestamp>/
-#   make test  - the test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval), ~17 min on 2 cores
+#   make test  - the test suite (unit, interpret-mode kernel, deviceless TPU compile, nbval), ~14 min on 2 cores
 #   make test-extended - the tests marked `extended`: more points of matrices make test covers (CI runs both)
 #   make check-sharded - the sharded kernel vs the sharded reference, 8 steps: every batch in both DMA modes on 8
 #                        devices, MXFP4 experts on both MXU paths, 4 and 2 devices (~20 min)
