@@ -334,14 +334,19 @@ def step(params: dict, cache: dict, tokens: jax.Array, *, cfg: K3Config, experts
     return (logits, cache, jnp.stack(chosen)) if routing else (logits, cache)
 
 
-def make_baseline_step(cfg: K3Config, experts: str = "bf16", moe: str = "loop", routing: bool = False):
-    """The fair XLA step, jitted with the cache donated: step(params, cache, tokens) -> (logits, cache)
-    (+ the routed ids with `routing`, see `step`). experts: the format `params` holds the routed
-    experts in; moe: "loop" or "ragged" (module doc)."""
+def _check_options(experts: str, moe: str) -> None:
+    """The fair step's options, checked once for the decode and the verify step."""
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, found {experts!r}")
     if moe not in MOE_MODES:
         raise ValueError(f"moe must be one of {MOE_MODES}, found {moe!r}")
+
+
+def make_baseline_step(cfg: K3Config, experts: str = "bf16", moe: str = "loop", routing: bool = False):
+    """The fair XLA step, jitted with the cache donated: step(params, cache, tokens) -> (logits, cache)
+    (+ the routed ids with `routing`, see `step`). experts: the format `params` holds the routed
+    experts in; moe: "loop" or "ragged" (module doc)."""
+    _check_options(experts, moe)
     return jax.jit(functools.partial(step, cfg=cfg, experts=experts, moe=moe, routing=routing), donate_argnums=(1,))
 
 
@@ -471,10 +476,7 @@ def commit_block(cache, block: dict, count) -> dict:
 def make_verify_step(cfg: K3Config, experts: str = "bf16", moe: str = "loop", aux_layers: tuple[int, ...] = ()):
     """`verify_step` jitted with the cache donated, as `make_baseline_step` jits the decode step:
     verify(params, cache, tokens [B, T]) -> (logits [B, T, V] f32, block)."""
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, found {experts!r}")
-    if moe not in MOE_MODES:
-        raise ValueError(f"moe must be one of {MOE_MODES}, found {moe!r}")
+    _check_options(experts, moe)
     return jax.jit(functools.partial(verify_step, cfg=cfg, experts=experts, moe=moe, aux_layers=tuple(aux_layers)),
                    donate_argnums=(1,))
 
