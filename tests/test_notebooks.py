@@ -240,10 +240,11 @@ def test_program_runs_seconds_counts_a_function_compiled_twice():
     ev = [DeviceEvent("/device:TPU:0", "XLA Modules", name, start, dur) for name, start, dur in (
         ("jit_speculative_chunk(1)", 0, 1_000), ("jit_speculative_chunk(2)", 10_000, 1_000),
         ("jit_broadcast", 20_000, 500), ("jit_speculative_chunk(1)", 30_000, 100_000_000),
-        ("jit_speculative_chunk(2)", 200_000_000, 101_000_000))]
+        ("jit_speculative_chunk(2)", 200_000_000, 101_000_000), ("jit_speculative_chunk(2)", 400_000_000, 2_000))]
+    # the last execution is the dispatch after the last chunk (every row done, no step): not a run
     assert program_runs_seconds(ev, "speculative_chunk", 2) == pytest.approx([0.1, 0.101])
-    assert sum(step_device_seconds(ev, 2)) == pytest.approx(0.101001)      # half the real runs
-    assert program_runs_seconds(ev, "speculative_chunk", 5) == []
+    assert sum(step_device_seconds(ev, 2)) == pytest.approx(0.101002)      # half the real runs
+    assert program_runs_seconds(ev, "speculative_chunk", 6) == []
 
 
 def test_device_time_reader_needs_no_pandas():

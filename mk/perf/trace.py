@@ -159,14 +159,19 @@ def step_device_seconds(events: Sequence[DeviceEvent], steps: int) -> list[float
 
 
 def program_runs_seconds(events: Sequence[DeviceEvent], program: str, runs: int) -> list[float]:
-    """Device time of the last `runs` executions, in order, of the 'XLA Modules' programs on the first
-    device plane whose name contains `program`: one jitted function can compile to several programs
+    """Device time of the `runs` longest executions, in order, of the 'XLA Modules' programs on the first
+    device plane whose name contains `program`. One jitted function can compile to several programs
     (the speculative chunk gets the prefill's cache layout first, then its own), which
-    `step_device_seconds` would count apart."""
+    `step_device_seconds` would count apart; and a device loop runs its chunk program more often than
+    it has chunks of steps (the rehearsal's dispatches and the one dispatched after the last chunk, all
+    with every row done: no step, microseconds), so the last `runs` executions would take an empty one."""
     mods = [e for e in events if e.line == "XLA Modules"]
     first = min((e.plane for e in mods), default=None)
-    mine = sorted((e for e in mods if e.plane == first and program in e.name), key=lambda e: e.start_ns)
-    return [e.dur_ns / 1e9 for e in mine[-runs:]] if len(mine) >= runs else []
+    mine = [e for e in mods if e.plane == first and program in e.name]
+    if len(mine) < runs:
+        return []
+    longest = sorted(mine, key=lambda e: e.dur_ns)[-runs:] if runs else []
+    return [e.dur_ns / 1e9 for e in sorted(longest, key=lambda e: e.start_ns)]
 
 
 def _step_runs(events: Sequence[DeviceEvent], steps: int) -> list[DeviceEvent]:
