@@ -690,3 +690,61 @@ def test_speculative_verify_routing_against_the_chip():
         assert uniform > 1.1 * measured and got["mk"]["step_time_s"] == pytest.approx(measured, rel=0.05)
     with pytest.raises(sim.SimError, match="--verify-routing must be one of rows, sequence"):
         sim.speculative(cfg, 1, 3, 2, "tpu-v5e", plans=("mk",), verify_routing="tokens")
+
+
+def test_speculative_routed_verify_lies_between_sequence_and_rows():
+    """`verify_routing="routed"`: mk's verify step of B x (1 + k) rows reads the experts those rows
+    were measured to route (`verify_distinct_experts`), the decode step its own (`mk_distinct_experts`);
+    counts between one sequence's (B rows) and every row's own (uniform) give a verify step between
+    the two; counts without "routed" (or "routed" without counts) are refused."""
+    cfg = get_config("mini")
+    kw = dict(plans=("mk",), experts="bf16")
+    lay = sim.predict(cfg, 2, "tpu-v5e", **kw)["_results"]["mk"].plan.layout
+    few, many = sim.expert_counts(cfg, 2, lay, True), sim.expert_counts(cfg, 4, lay, True)
+    mid = [(a + b) / 2 for a, b in zip(few, many)]
+    got = {r: sim.speculative(cfg, 2, 1, 2, "tpu-v5e", verify_routing=r, **kw) for r in ("rows", "sequence")}
+    got["routed"] = sim.speculative(cfg, 2, 1, 2, "tpu-v5e", verify_routing="routed", verify_distinct_experts=mid,
+                                    mk_distinct_experts=few, **kw)
+    v = {r: g["mk"]["verify_s"] for r, g in got.items()}
+    assert v["sequence"] < v["routed"] < v["rows"]
+    assert got["routed"]["verify_routing"] == "routed" and got["routed"]["verify_distinct_experts"] == mid
+    assert got["routed"]["mk"]["decode_step_s"] == pytest.approx(got["rows"]["mk"]["decode_step_s"])   # few = expected
+    with pytest.raises(sim.SimError, match="go with verify_routing='routed'"):
+        sim.speculative(cfg, 2, 1, 2, "tpu-v5e", verify_distinct_experts=mid, **kw)
+    with pytest.raises(sim.SimError, match="go with verify_routing='routed'"):
+        sim.speculative(cfg, 2, 1, 2, "tpu-v5e", verify_routing="routed", **kw)
+
+
+def test_simulate_speculative_routed_from_bench_files(capsys):
+    """`mk simulate --speculative K --routed-from ...`: the verify step reads the routed counts of the
+    bench batch of B x (1 + K) rows, the decode step those of batch B, each from the file (of several,
+    repeated or comma-separated) that counted it, at the bench's context; a bench without that batch
+    is refused in one line naming the files and the batch. Against the chip (k3-chip bf16, B = 1, the
+    kernel; the verify step timed on random distinct rows, `mk.perf.spec_bench.verify_ms`: 6.386 ms
+    at K = 3, 6.504 ms at K = 7; drafter 0.042 / 0.059 ms) the routed verify step is within 10%,
+    where uniform rows overshoot it by over 10%."""
+    from mk.__main__ import main
+    b1, b24, b8 = (str(V5E_RUN / f) for f in ("2026-12-07f/bench-k3-chip-bf16-xla-b1.json",
+                                               "2026-12-07d/bench-k3-chip-bf16-b24.json",
+                                               "2026-12-07f/bench-k3-chip-bf16-xla-b8.json"))
+    base = ["simulate", "--config", "k3-chip", "--system", "tpu-v5e", "--plan", "mk", "--experts", "bf16",
+            "--batch", "1"]
+    for k, rows, counts, source, verify_ms, drafter_ms in ((3, 4, [9.25, 9.375], b24, 6.386, 0.042),
+                                                             (7, 8, [10.0, 9.875], b8, 6.504, 0.059)):
+        assert main(base + ["--speculative", str(k), "--acceptance", "1", "--routed-from", f"{b8},{b24}",
+                            "--routed-from", b1, "--json"]) == 0
+        (r,) = json.loads(capsys.readouterr().out)
+        assert (r["verify_routing"], r["rows"], r["context"]) == ("routed", rows, 128)
+        assert r["verify_distinct_experts"] == counts and r["verify_routed_from"] == source
+        assert r["decode_distinct_experts"] == [8.0, 8.0] and r["decode_routed_from"] == b1
+        assert r["mk"]["verify_s"] * 1e3 == pytest.approx(verify_ms, rel=0.10)
+        assert r["mk"]["step_s"] * 1e3 == pytest.approx(verify_ms + drafter_ms, rel=0.10)
+        uniform = sim.speculative(K3_CHIP, 1, k, 1, "tpu-v5e", context=128, plans=("mk",), experts="bf16")
+        assert uniform["mk"]["verify_s"] * 1e3 > 1.10 * verify_ms
+    assert main(base + ["--speculative", "3", "--acceptance", "1", "--routed-from", b1, "--routed-from", b8]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--routed-from {b1}, {b8}: no routed expert counts at batch 4" in err
+    assert "the verify step's 1 x (1 + 3) rows" in err
+    assert main(base + ["--speculative", "3", "--acceptance", "1", "--routed-from", b24, "--verify-routing",
+                        "sequence"]) == 2
+    assert "--verify-routing: with --routed-from" in capsys.readouterr().err

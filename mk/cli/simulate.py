@@ -17,7 +17,9 @@ batch, a verify step of B x (1 + K) rows plus the drafter's pass, L tokens a ste
 decoding of B rows: step ms, the drafter's share, verify / decode step, tokens/s and the speed-up;
 where the seed published DSpark tokens/s at L (tpu-v7x16, gb200x16: L = 3, 6), that figure beside it.
 `--verify-routing sequence` models a verify step whose 1 + K rows of a sequence route as one token
-(the routed experts of B rows) instead of each row on its own (`rows`, the default).
+(the routed experts of B rows) instead of each row on its own (`rows`, the default, uniformly);
+`--routed-from BENCH_JSON` instead reads the experts a bench's batch of B x (1 + K) rows routed (the
+verify step) and of B rows (the decode step).
 """
 from __future__ import annotations
 
@@ -57,9 +59,11 @@ def add_parser(subparsers):
     p.add_argument("--microbench", metavar="CSV", default=None,
                    help="model with this copy of data/microbench.csv (e.g. one `mk microbench --write` made on "
                         "a TPU, with the assumed constants measured)")
-    p.add_argument("--routed-from", metavar="BENCH_JSON", default=None,
+    p.add_argument("--routed-from", metavar="BENCH_JSON", action="append", default=None,
                    help="a `mk bench --json` output: mk's plan reads the experts its steps routed (not uniform "
-                        "routing), and is compared with its kernel's step (device time where it has it)")
+                        "routing), and is compared with its kernel's step (device time where it has it); several "
+                        "(repeated or comma-separated): each batch from the first that counted it; with "
+                        "--speculative K the verify step reads the batch of B x (1 + K) rows")
     p.add_argument("--routed-across-formats", action="store_true",
                    help="let --routed-from be a bench of the other expert format (the same seed draws the same "
                         "router, tokens and weights; quantized experts may move a near tie, so the routing is "
@@ -72,10 +76,11 @@ def add_parser(subparsers):
                         "the drafter), with --acceptance")
     p.add_argument("--acceptance", type=float, default=None, metavar="L",
                    help="--speculative: tokens emitted a step, 1..K + 1")
-    p.add_argument("--verify-routing", choices=("rows", "sequence"), default="rows",
+    p.add_argument("--verify-routing", choices=("rows", "sequence"), default=None,
                    help="--speculative: the experts the verify step streams: rows = each of the B x (1 + K) rows "
-                        "routes on its own (distinct drafts; default), sequence = the rows of a sequence route as "
-                        "one token (what mk bench --mode speculative's verify step runs)")
+                        "routes on its own, uniformly (distinct drafts; default), sequence = the rows of a sequence "
+                        "route as one token (a verify step of one repeated token); --routed-from instead: the "
+                        "experts a bench's B x (1 + K) rows routed")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -134,30 +139,45 @@ def measured_at(got: dict, depth: int) -> tuple[float | None, str | None]:
     return None, None
 
 
-def routed_from(path: str, config: str, experts: str | None, batches: list[int], *, across_formats: bool = False,
-                measured_from: str | None = None) -> dict[int, dict]:
-    """batch -> {"distinct_experts", "steps", "source", "routing"} from a `mk bench --json` file: the
-    routed counts of its rows (`distinct_source` 'routed ...') and its kernel's steps by prefetch
-    depth (`_kernel_steps`; `measured_at` picks the modelled plan's), device time where the bench
-    traced it, else the wall clock. Refuses a file of another config, expert format
-    (unless `across_formats`: then its routing only, no step), or without routed counts for a batch
-    asked for, naming it. `measured_from`: another bench (this config and format) for the step."""
-    meta, rows = _bench_file(path, "--routed-from", config, None if across_formats else experts)
-    other = bool(experts) and meta.get("experts") != experts
+def bench_paths(values: list[str] | str | None) -> list[str]:
+    """The files of --routed-from, given once or more, each possibly comma-separated."""
+    values = [values] if isinstance(values, str) else values or []
+    return [p.strip() for v in values for p in v.split(",") if p.strip()]
+
+
+def routed_from(paths: list[str] | str, config: str, experts: str | None, batches: list[int], *,
+                across_formats: bool = False, measured_from: str | None = None,
+                why: dict[int, str] | None = None) -> dict[int, dict]:
+    """batch -> {"distinct_experts", "steps", "source", "routing", "file"} from `mk bench --json`
+    files (`bench_paths`), each batch from the first file with routed counts at it (`distinct_source`
+    'routed ...'): those counts and that file's kernel steps by prefetch depth (`_kernel_steps`;
+    `measured_at` picks the modelled plan's), device time where the bench traced it, else the wall
+    clock. Refuses a file of another config, expert format (unless `across_formats`: then its
+    routing only, no step), or a batch asked for that no file counted, naming the files and the
+    batch (and `why[batch]`, what needs it, where given). `measured_from`: another bench (this
+    config and format) for the step."""
+    paths = bench_paths(paths)
+    files = [(path, *_bench_file(path, "--routed-from", config, None if across_formats else experts))
+             for path in paths]
     if measured_from:
         m_meta, m_rows = _bench_file(measured_from, "--measured-from", config, experts)
     out = {}
     for b in batches:
-        hit = [r for r in rows if r.get("batch") == b and str(r.get("distinct_source", "")).startswith("routed")]
+        hit = next(((path, meta, rows, r) for path, meta, rows in files for r in rows if r.get("batch") == b
+                    and str(r.get("distinct_source", "")).startswith("routed")), None)
         if not hit:
-            raise UserError(f"--routed-from {path}: no routed expert counts at batch {b} (bench with --impl kernel,xla)")
+            need = f", {why[b]}," if why and b in why else ""
+            raise UserError(f"--routed-from {', '.join(paths)}: no routed expert counts at batch {b}{need} "
+                            f"(bench --batch {b} with --impl kernel,xla)")
+        path, meta, rows, row = hit
+        other = bool(experts) and meta.get("experts") != experts
         if measured_from:
             steps, source = _kernel_steps(measured_from, m_meta, m_rows, b), f"--measured-from {measured_from}"
             if not steps:
                 raise UserError(f"--measured-from {measured_from}: no kernel step at batch {b}")
         else:                                     # another format's kernel is not this one's step
             steps, source = ({} if other else _kernel_steps(path, meta, rows, b)), f"--routed-from {path}"
-        out[b] = {"distinct_experts": hit[0]["distinct_experts"], "steps": steps, "source": source,
+        out[b] = {"distinct_experts": row["distinct_experts"], "steps": steps, "source": source, "file": path,
                   "routing": f"{meta.get('experts')} bench {os.path.basename(path)}" if other else None}
     return out
 
@@ -370,16 +390,32 @@ def format_sensitivity(system: str, rows: list[dict], batches: list[int]) -> str
 
 
 def speculative_report(args, systems: list[str], batches: list[int]) -> list[dict]:
-    """`sim.speculative` for every system and batch (`--speculative K --acceptance L`)."""
+    """`sim.speculative` for every system and batch (`--speculative K --acceptance L`). With
+    --routed-from, mk's plan reads the routed experts of the bench's batch B (the decode step) and of
+    its batch of B x (1 + K) rows (the verify step: that many random tokens routed on the same seed's
+    weights), refusing files without either; the context defaults to the bench's (`ROUTED_CONTEXT`)."""
+    from mk.kernel.plan import MAX_ROWS
     from mk.model.config import get_config
     from mk.perf import hardware, sim
     if args.acceptance is None:
         raise UserError("--speculative K needs --acceptance L (tokens a step, 1..K + 1)")
-    for option in ("routed_from", "sensitivity", "trace"):
+    for option in ("sensitivity", "trace", "routed_across_formats", "measured_from"):
         if getattr(args, option):
             raise UserError(f"--{option.replace('_', '-')} models plain decoding; drop it with --speculative")
+    if args.routed_from and args.verify_routing:
+        raise UserError("--verify-routing: with --routed-from the verify step reads the experts the bench's "
+                        "B x (1 + K) rows routed; drop one")
     cfg = get_config(args.config)
     plans = ("seed", "mk") if args.plan == "both" else (args.plan,)
+    routed = {}
+    if args.routed_from:
+        k = args.speculative
+        why = {b * (1 + k): f"the verify step's {b} x (1 + {k}) rows" for b in batches if b * (1 + k) <= MAX_ROWS}
+        for b in batches:
+            why.setdefault(b, f"the decode step's batch")
+        routed = routed_from(args.routed_from, args.config, args.experts, sorted(why), why=why)
+        if args.context is None:
+            args.context = ROUTED_CONTEXT
     out = []
     for name in systems:
         if name not in hardware.system_names():
@@ -387,10 +423,17 @@ def speculative_report(args, systems: list[str], batches: list[int]) -> list[dic
         system = hardware.get_system(name, microbench_csv=args.microbench)
         _check_system(system, plans, args.mxfp4_matmul)
         for b in batches:
-            out.append(sim.speculative(cfg, b, args.speculative, args.acceptance, system,
-                                       context=args.context or sim.DEFAULT_CONTEXT, plans=plans, experts=args.experts,
-                                       mxfp4_matmul=args.mxfp4_matmul, straggler=not args.mean_experts,
-                                       verify_routing=args.verify_routing))
+            wide = routed.get(b * (1 + args.speculative)) if routed else None
+            kw = {"verify_routing": "routed", "verify_distinct_experts": wide["distinct_experts"],
+                  "mk_distinct_experts": routed[b]["distinct_experts"]} if wide else {
+                      "verify_routing": args.verify_routing or "rows"}
+            row = sim.speculative(cfg, b, args.speculative, args.acceptance, system,
+                                  context=args.context or sim.DEFAULT_CONTEXT, plans=plans, experts=args.experts,
+                                  mxfp4_matmul=args.mxfp4_matmul, straggler=not args.mean_experts, **kw)
+            if wide:
+                row["verify_routed_from"], row["decode_routed_from"] = wide["file"], routed[b]["file"]
+                row["decode_distinct_experts"] = routed[b]["distinct_experts"]
+            out.append(row)
     return out
 
 
@@ -411,10 +454,18 @@ def format_speculative(rows: list[dict]) -> str:
     notes = {f"{r['system']}: drafter {r['drafter']}" + (f" ({r['drafter_assumption']}: an assumption)"
                                                          if r["drafter_assumption"] else "") for r in rows}
     lines += sorted(notes)
+    counts = lambda c: "/".join(f"{x:g}" for x in c)
+    for r in rows:
+        if r["verify_routing"] == "routed":
+            lines.append(f"{r['system']} B={r['batch']}: verify routing: routed, {r['rows']} rows from "
+                         f"{os.path.basename(r['verify_routed_from'])} ({counts(r['verify_distinct_experts'])} experts "
+                         f"per MoE layer); decode step: {r['batch']} row{'s' * (r['batch'] > 1)} from {os.path.basename(r['decode_routed_from'])} "
+                         f"({counts(r['decode_distinct_experts'])}); the seed's schedule, where modelled: uniform rows")
     routing = {r["verify_routing"] for r in rows}
     lines.append("all times modelled (mk.perf.sim): a verify step of B x (1 + k) rows (the KDA row chaining not "
                  "modelled) plus the drafter's bytes at the DMA stream rate; drafter = its share of a step; "
-                 + ("the rows of a sequence route as one token (--verify-routing sequence)" if routing == {"sequence"}
+                 + ("mk's plan reads the experts the bench's steps routed (--routed-from)" if routing == {"routed"}
+                    else "the rows of a sequence route as one token (--verify-routing sequence)" if routing == {"sequence"}
                     else "every row routes on its own (--verify-routing rows)"))
     return "\n".join(lines) + "\n"
 

@@ -968,28 +968,33 @@ def drafter_bytes(dc, batch: int, k: int, context: int = DEFAULT_CONTEXT) -> flo
     return 2.0 * (weights + rows) + 4.0 * batch * (1 + k) * dc.vocab
 
 
-VERIFY_ROUTINGS = ("rows", "sequence")
+VERIFY_ROUTINGS = ("rows", "sequence", "routed")
 
 
 def speculative(cfg: K3Config, batch: int, k: int, acceptance: float, system="tpu-v7x16", *,
                 context: int = DEFAULT_CONTEXT, plans: Sequence[str] = PLANS, verify_routing: str = "rows",
-                **predict_kw) -> dict:
+                verify_distinct_experts: Sequence[float] | None = None, **predict_kw) -> dict:
     """Modelled speculative decoding at acceptance length `acceptance` (tokens a step, 1..k + 1):
     a verify step of batch x (1 + k) rows (`predict` at that many rows: the same weight traffic and
     MoE activation as a decode step of those rows; the KDA row chaining is not modelled), plus the
     drafter's pass at the system's DMA stream rate (`drafter_bytes`; on a system of several devices
     its weights assumed split over them, as the target's), against plain decoding's step of `batch`
-    rows. Per plan: verify_s, drafter_s, step_s, tokens_per_s = batch x acceptance / step_s,
-    plain_tokens_per_s, speedup, drafter_share; plus the seed's published DSpark tokens/s where
-    data/published.csv has it (`dspark_al<L>`, read after the model).
+    rows (`predict_kw`'s `mk_distinct_experts`, where given, are that step's). Per plan: verify_s,
+    drafter_s, step_s, tokens_per_s = batch x acceptance / step_s, plain_tokens_per_s, speedup,
+    drafter_share; plus the seed's published DSpark tokens/s where data/published.csv has it
+    (`dspark_al<L>`, read after the model).
 
     verify_routing: which experts the verify step's rows stream (each distinct routed expert once a
     step). "rows": every one of the batch x (1 + k) rows routes on its own, uniformly (`expert_counts`
     at that many rows: distinct drafts); "sequence": the 1 + k rows of a sequence route as one token
-    (the distinct experts of `batch` rows), the case of a verify step whose rows repeat one token,
-    as `mk bench --mode speculative` times it (`mk.perf.spec_bench.verify_ms`). The row count is the
-    model's one term that grows the verify step past the decode step: at 8 rows of k3-chip, 15.9 of
-    16 experts a layer under "rows" against 8 under "sequence" (docs/performance.md)."""
+    (the distinct experts of `batch` rows: the plain step's `mk_distinct_experts` where given), the
+    case of a verify step whose rows repeat one token; "routed": mk's plan reads
+    `verify_distinct_experts` (per MoE layer), the experts that many rows were measured to route,
+    e.g. the counts a `mk bench` of batch x (1 + k) rows on the same seed's weights counted (random
+    weights' router biases concentrate routing: fewer distinct experts than uniform); the seed's
+    schedule then streams its "rows" count. The row count is the model's one term that grows the
+    verify step past the decode step: at 8 rows of k3-chip, 15.9 of 16 experts a layer under "rows",
+    8 under "sequence", about 10 routed on the bench's random weights (docs/performance.md)."""
     if verify_routing not in VERIFY_ROUTINGS:
         raise SimError(f"--verify-routing must be one of {', '.join(VERIFY_ROUTINGS)}, found {verify_routing!r}")
     if not 1 <= acceptance <= k + 1:
@@ -998,18 +1003,27 @@ def speculative(cfg: K3Config, batch: int, k: int, acceptance: float, system="tp
         raise SimError(f"--speculative {k}: a verify step of batch {batch} x (1 + {k}) = {batch * (1 + k)} rows "
                        f"exceeds the {planlib.MAX_ROWS} rows a step allows (k <= {planlib.max_drafts(batch)} at "
                        f"batch {batch})")
+    if (verify_routing == "routed") != (verify_distinct_experts is not None):
+        raise SimError("verify_distinct_experts (the experts the verify step's rows routed) go with "
+                       "verify_routing='routed', and it with them")
     s = _system(system)
     plain = predict(cfg, batch, s, context=context, plans=plans, **predict_kw)
     rows = batch * (1 + k)
+    wide_kw = {key: v for key, v in predict_kw.items() if key != "mk_distinct_experts"}   # not the plain step's
     if verify_routing == "rows":
-        verify = predict(cfg, rows, s, context=context, plans=plans, **predict_kw)["_results"]
+        verify = predict(cfg, rows, s, context=context, plans=plans, **wide_kw)["_results"]
+    elif verify_routing == "routed":
+        verify = predict(cfg, rows, s, context=context, plans=plans, mk_distinct_experts=verify_distinct_experts,
+                         **wide_kw)["_results"]
     else:                                           # each plan's experts of `batch` rows, on B x (1 + k) rows
         straggler = predict_kw.get("straggler", True)
         alike = {p: expert_counts(cfg, batch, r.plan.layout, straggler) for p, r in plain["_results"].items()}
+        if predict_kw.get("mk_distinct_experts") is not None and "mk" in alike:
+            alike["mk"] = list(predict_kw["mk_distinct_experts"])
         verify = {}
         if "mk" in alike:
             verify["mk"] = predict(cfg, rows, s, context=context, plans=("mk",),
-                                   **dict(predict_kw, mk_distinct_experts=alike["mk"]))["_results"]["mk"]
+                                   **dict(wide_kw, mk_distinct_experts=alike["mk"]))["_results"]["mk"]
         if "seed" in alike:
             with hwlib.published_locked():
                 verify["seed"] = model(cfg, rows, s, "seed", context=context, straggler=straggler,
@@ -1017,7 +1031,9 @@ def speculative(cfg: K3Config, batch: int, k: int, acceptance: float, system="tp
     dc = drafter_config(cfg)
     drafter_s = drafter_bytes(dc, batch, k, context) / s.devices / s.value("dma_bw")
     out = {"system": s.name, "batch": batch, "k": k, "acceptance": acceptance, "rows": rows,
-           "verify_routing": verify_routing, "context": context, "drafter": f"{'DSpark (spec 4.1)' if dc.hidden == 7168 else 'config_for(cfg)'}: "
+           "verify_routing": verify_routing, "context": context,
+           "verify_distinct_experts": None if verify_distinct_experts is None else list(verify_distinct_experts),
+           "drafter": f"{'DSpark (spec 4.1)' if dc.hidden == 7168 else 'config_for(cfg)'}: "
            f"{dc.layers} layer(s), hidden {dc.hidden}", "drafter_assumption": "weights split over the devices"
            if s.devices > 1 else None}
     for p in verify:
