@@ -58,8 +58,5 @@ def _persistent_cache_off_after_each_test():
     JAX's serializer once crashed a worker there). It is turned off again after each test; the tests
     of the cache itself run their commands in subprocesses."""
     yield
-    import jax
-    if jax.config.jax_compilation_cache_dir:
-        from jax._src import compilation_cache
-        jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()
+    from mk.model import compile_cache
+    compile_cache.disable()                 # JAX's cache and mk's program store

@@ -344,8 +344,10 @@ def make_decode_step(plan: Plan, interpret=None, mesh=None, return_prefix: bool 
     layout; on a mesh, sharded as `mk.model.sharding.cache_specs`); tokens [B] int32. The cache is
     donated and updated in place. `mesh`: default `default_mesh(plan)`.
     """
-    step = sharded_step(plan, mesh if mesh is not None else default_mesh(plan), interpret, return_prefix)
-    return jax.jit(step, donate_argnums=(1,))
+    from mk.model.compile_cache import Program
+    mesh = mesh if mesh is not None else default_mesh(plan)
+    return Program(sharded_step(plan, mesh, interpret, return_prefix), name="decode_step",
+                   identity=repr((plan, mesh, interpret, return_prefix)), donate_argnums=(1,))
 
 
 def make_verify_step(plan: Plan, interpret=None, mesh=None):

@@ -171,7 +171,7 @@ def _pack_share(plan: Plan, rank: int, share: dict):
     out, bad = None, []
     for g in dict.fromkeys(p.group for p in _pieces(plan, rank)):
         program, layer = _program_group(g)
-        out, flag = _pack_group(key, rank, program, share, out, layer)
+        out, flag = _pack_group_program(key, rank, program)(share, out, layer)
         bad.append(flag)
     return out, any(bool(b) for b in bad)
 
@@ -193,7 +193,14 @@ def _group_pieces(key: "_Packing", rank: int) -> dict:
     return groups
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+@functools.lru_cache(maxsize=64)
+def _pack_group_program(key: "_Packing", rank: int, group):
+    """`_pack_group` for (key, rank, group) as a `Program` (kept across runs), `out` donated."""
+    from mk.model.compile_cache import Program
+    return Program(functools.partial(_pack_group, key, rank, group), name="pack_group",
+                   identity=repr((key.key, rank, group)), donate_argnums=(1,))
+
+
 def _pack_group(key: "_Packing", rank: int, group, share: dict, out: dict | None, layer):
     """`out` (donated: written in place; None: allocated here, zeros) with the blocks of group
     `group`'s pieces at their places; group ("moe",): MoE layer `layer`'s (traced), laid out as

@@ -78,8 +78,10 @@ def reference_step(params: dict, cfg: K3Config) -> LoopStep:
 
 @functools.lru_cache(maxsize=None)
 def _reference_fn(cfg: K3Config):
-    """One function object per config, so the jitted chunk and prefill programs are reused across runs."""
-    return jax.jit(lambda weights, cache, tokens: ref.decode_step(weights, cache, tokens, cfg=cfg))
+    """One function object per config, so the jitted chunk and prefill programs are reused across runs
+    (and, as a `mk.model.compile_cache.Program`, across processes)."""
+    return compile_cache.Program(lambda weights, cache, tokens: ref.decode_step(weights, cache, tokens, cfg=cfg),
+                                 name="reference_step", identity=repr(cfg), donate_argnums=())
 
 
 def loop_step_of(step_fn, params: dict, cfg: K3Config) -> LoopStep:
@@ -169,15 +171,22 @@ def make_chunk(step: LoopStep, n: int, sampling: Sampling):
 
 @functools.lru_cache(maxsize=32)
 def _jitted(body, fn, **static):
-    """jax.jit(body(fn, weights, cache, ...)) with the cache donated, one per (body, fn, static)."""
-    return jax.jit(functools.partial(body, fn, **static), donate_argnums=(1,))
+    """jax.jit(body(fn, weights, cache, ...)) with the cache donated, one per (body, fn, static); a
+    `mk.model.compile_cache.Program` (kept across processes) when `fn` is one."""
+    part = functools.partial(body, fn, **static)
+    if not isinstance(fn, compile_cache.Program):
+        return jax.jit(part, donate_argnums=(1,))
+    identity = f"{fn.name}[{fn.identity}] {sorted(static.items())!r}"
+    return compile_cache.Program(part, name=body.__name__, identity=identity, donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=32)
 def _first_jitted(sampling: Sampling):
     """first(logits, seed, max_new): `first_token` with the key `PRNGKey(seed)` made inside the program
     (eagerly, `PRNGKey` is two programs of its own); `seed_word` gives its argument."""
-    return jax.jit(lambda logits, seed, max_new: first_token(logits, jax.random.PRNGKey(seed), max_new, sampling))
+    return compile_cache.Program(
+        lambda logits, seed, max_new: first_token(logits, jax.random.PRNGKey(seed), max_new, sampling),
+        name="first_token", identity=repr(sampling))
 
 
 def seed_word(seed: int) -> np.ndarray:

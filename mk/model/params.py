@@ -169,11 +169,17 @@ def init_fast(cfg: K3Config, seed: int = 0, experts: str = "bf16") -> dict:
     family `init`'s standard deviation (within a factor 2)}."""
     if experts not in ("bf16", "mxfp4"):
         raise ValueError(f"experts must be 'bf16' or 'mxfp4', found {experts!r}")
-    return _init_fast_jit(cfg, experts, jnp.uint32(seed))
+    return _init_fast_program(cfg, experts)(jnp.uint32(seed))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_fast_jit(cfg: K3Config, experts: str, seed) -> dict:
+@functools.lru_cache(maxsize=8)
+def _init_fast_program(cfg: K3Config, experts: str):
+    """`_init_fast_tree` for (cfg, experts) as a `Program` (kept across runs)."""
+    from mk.model.compile_cache import Program
+    return Program(functools.partial(_init_fast_tree, cfg, experts), name="init_fast", identity=repr((cfg, experts)))
+
+
+def _init_fast_tree(cfg: K3Config, experts: str, seed) -> dict:
     """One program for the whole tree (eager `jax.random` compiled ~170 small programs, 117 s for
     k3-chip on a TPU v5e), drawn from a counter hash (`_hash_bits`): libtpu's compile time of
     `jax.random` grows with the array (k3-chip's tree, deviceless for a v5e: 30 s to compile; the hash: 10 s)."""
