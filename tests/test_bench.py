@@ -333,3 +333,13 @@ def test_measure_speculative_xla_rows_run(monkeypatch):
     assert four["speedup_wall"] == pytest.approx(four["wall_tok_s"] / plain["loop_tok_s"])
     assert "xla" in spec_bench.format_table(rows, dict(config="tiny", device_kind="cpu", experts="bf16", steps=2,
                                                        jax_version="", date=""))
+
+
+def test_a_batch_draws_its_tokens_whatever_the_batch_list():
+    """`--batch 8` and `--batch 1,8` time the same B = 8 tokens (a step's cost depends on them)."""
+    from mk.perf.bench import bench_tokens
+    from mk.model.config import get_config
+    cfg = get_config("mini")
+    alone, both = bench_tokens(cfg, [8], 5), bench_tokens(cfg, [1, 8], 5)
+    assert np.array_equal(alone[8], both[8]) and both[1].shape == (5, 1)
+    assert not np.array_equal(bench_tokens(cfg, [8], 5, seed=1)[8], alone[8])

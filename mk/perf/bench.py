@@ -347,10 +347,11 @@ def last_positions(ctx: int, steps: int) -> int:
 
 
 def bench_tokens(cfg: K3Config, batches: Sequence[int], steps: int, seed: int = 0) -> dict[int, np.ndarray]:
-    """{B: the [steps, B] int32 tokens `measure` steps at batch B}, drawn from `seed` in the order of
-    `batches` (a case is reproduced only with the bench's own --batch list)."""
-    rng = np.random.default_rng(seed)
-    return {B: rng.integers(0, cfg.vocab, (steps, B)).astype(np.int32) for B in batches}
+    """{B: the [steps, B] int32 tokens `measure` steps at batch B}, each batch drawn from (seed, B)
+    alone: a case draws the same tokens whatever else its --batch list holds (a step at B = 8 costs
+    what its tokens' distinct experts cost, so `--batch 8` and `--batch 1,8` time the same step)."""
+    return {B: np.random.default_rng([seed, B]).integers(0, cfg.vocab, (steps, B)).astype(np.int32)
+            for B in batches}
 
 
 def measure(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), experts: str = "bf16", steps: int = 20,
@@ -758,8 +759,8 @@ def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), exper
     t0 = time.perf_counter()
     params = params if params is not None else jax.block_until_ready(init_fast(cfg, seed, experts))
     log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
-    rng = np.random.default_rng(seed)
-    tokens = {B: rng.integers(0, cfg.vocab, (B,)).astype(np.int32) for B in batches}
+    tokens = {B: np.random.default_rng([seed, B]).integers(0, cfg.vocab, (B,)).astype(np.int32)
+              for B in batches}                    # each batch from (seed, B) alone, as `bench_tokens`
     plan_kw = {}
     if mxfp4_unpack != "auto":
         import dataclasses
