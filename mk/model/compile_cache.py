@@ -29,7 +29,7 @@ jax, jaxlib and the backend's versions (libtpu's on a TPU), the devices, XLA_FLA
 the jax options that change a lowering, and a hash of mk's own source. Any of those changing makes a
 new entry; an entry that cannot be read is deleted and compiled again. A program that cannot be
 serialized (interpret mode's host callbacks) is kept in memory for the process only. Traced (called
-inside another jitted function), a Program is its jitted function.
+inside another jitted function), or in a run of several processes, a Program is its jitted function.
 """
 from __future__ import annotations
 
@@ -263,8 +263,8 @@ class Program:
     def __call__(self, *args):
         import jax
         leaves, tree = jax.tree_util.tree_flatten(args)
-        if _STORE is None or any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return self.jitted(*args)
+        if _STORE is None or jax.process_count() > 1 or any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self.jitted(*args)      # off, several processes (one program across hosts), or traced
         kinds = (tree, tuple(_kind(x) for x in leaves))
         exe = self._loaded.get(kinds)
         if exe is None:
