@@ -353,5 +353,7 @@ def make_decode_step(plan: Plan, interpret=None, mesh=None, return_prefix: bool 
 def make_verify_step(plan: Plan, interpret=None, mesh=None):
     """verify(weights, cache, tokens [S, 1 + k]) -> (logits [S, 1 + k, V] f32, block), jitted, the
     cache donated; see `sharded_block` (cache and block) and `commit` (the next step's cache)."""
-    return jax.jit(sharded_block(plan, mesh if mesh is not None else default_mesh(plan), interpret),
+    from mk.model.compile_cache import Program
+    mesh = mesh if mesh is not None else default_mesh(plan)
+    return Program(sharded_block(plan, mesh, interpret), name="verify_step", identity=repr((plan, mesh, interpret)),
                    donate_argnums=(1,))

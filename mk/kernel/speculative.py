@@ -176,6 +176,7 @@ class ReferenceVerifier:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.identity = f"ReferenceVerifier[{cfg!r}]"      # decides `traced` (a Program's identity)
 
     def init_cache(self, batch: int, ctx: int) -> dict:
         return ref.init_cache(self.cfg, batch, ctx)
@@ -440,7 +441,7 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     the same verifier (`mk bench --mode speculative`): the jitted chunk is made once per setting (one
     for every fixed L: L is an input), so a warm-up run compiles what a timed run reuses."""
     import functools
-    from mk.model.compile_cache import counting
+    from mk.model.compile_cache import Program, counting
     from mk.model.loop import PAD, drive, rehearse
     prompt = _prompt_rows(prompt)
     B, T0 = prompt.shape
@@ -459,8 +460,11 @@ def device_generate(params, cfg, prompt, max_new_tokens: int, drafter, k: int, *
     programs = {} if programs is None else programs
     key = (drafter.dc, *sorted(static.items()))
     if key not in programs:
-        programs[key] = jax.jit(functools.partial(speculative_chunk, verify, commit, drafter.dc, **static),
-                                donate_argnums=(2, 3))
+        chunk_fn = functools.partial(speculative_chunk, verify, commit, drafter.dc, **static)
+        identity = getattr(verifier, "identity", None)      # kept across processes where the verifier says what it is
+        programs[key] = (jax.jit(chunk_fn, donate_argnums=(2, 3)) if identity is None else Program(
+            chunk_fn, name="speculative_chunk", donate_argnums=(2, 3),
+            identity=f"{identity} aux_layers={aux_layers!r} {drafter.dc!r} {sorted(static.items())!r}"))
     fn = programs[key]
 
     fixed = jnp.asarray(fixed_acceptance or 0, jnp.int32)

@@ -240,6 +240,8 @@ class KernelVerifier:
         self.mesh = default_mesh(self.plan)
         self.weights = kernel_weights(self.plan, params, self.mesh)
         self._verify = make_verify_step(self.plan, interpret, self.mesh)
+        # what `traced` hands a device loop is decided by this (`mk.model.compile_cache.Program`'s identity)
+        self.identity = f"KernelVerifier[{self._verify.identity}]"
 
     def init_cache(self, batch: int, ctx: int) -> dict:
         from mk.model.reference import init_cache
