@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(_glue_negative_values(argv))
     except SystemExit as e:                       # --help (0) or a usage error (2, already printed)
         return int(e.code or 0)
+    args.argv = argv                              # what a record names as its command
     from mk.cli.common import use_virtual_devices
     if getattr(args, "coordinator", None) is None:       # one process: --mesh N on CPU = N virtual devices
         use_virtual_devices(getattr(args, "mesh", None))

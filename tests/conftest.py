@@ -51,6 +51,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _program_store_of_its_own(monkeypatch, tmp_path):
+    """mk's program store (`mk.model.compile_cache.Program`) keys on mk's source, not on what a test
+    monkeypatches (a planted fault): a command run in-process stores its programs in this test's own
+    folder, so no test loads what another traced. JAX's cache (keyed by the lowered program) is shared."""
+    from mk.model import compile_cache
+    monkeypatch.setattr(compile_cache, "PROGRAMS", str(tmp_path / "mk-programs"))
+
+
+@pytest.fixture(autouse=True)
 def _persistent_cache_off_after_each_test():
     """A command run in-process (`mk.__main__.main([...])`) turns JAX's persistent compile cache on for
     the whole worker process (`mk.model.compile_cache.enable`): every test after it would then write

@@ -67,6 +67,10 @@ def test_json_output(capsys, tiny_dir):
         assert isinstance(res[k], float) and res[k] > 0
     assert res["loop"] == "device" and res["chunk"] == 16 and res["prefill"] == "sequential"
     assert res["decode_steps"] == 3 and res["chunks"] == 1
+    rec = res["record"]                           # a record, as every --json measurement (mk.perf.results)
+    assert rec["kind"] == "generate_command" and rec["command"].startswith("python -m mk generate")
+    assert rec["key"]["prompt_tokens"] == 2 and rec["key"]["max_new_tokens"] == 4 and rec["key"]["loop"] == "device"
+    assert "tok/s" in rec["summary"] and rec["date"] and "commit" in rec
     plain = gen(capsys, tiny_dir, "--prompt-tokens", "5,6", "--max-new-tokens", "4")
     assert plain.split() == [str(t) for t in res["tokens"][0]]
 
@@ -104,6 +108,7 @@ def test_speculative_json(capsys, tiny_dir, tmp_path):
     out = json.loads(gen(capsys, tiny_dir, "--prompt-tokens", "1,2,3", "--max-new-tokens", "6", "--json",
                          "--speculative", "2", "--drafter", str(tmp_path / "d")))
     assert out["tokens"] == plain["tokens"] and out["device"] == "cpu" and out["tokens_per_s"] > 0
+    assert out["record"]["kind"] == "generate_command" and out["record"]["key"]["speculative"] == 2
     lengths = out["acceptance_lengths"][0]
     assert out["steps"] == len(lengths) and all(1 <= a <= 3 for a in lengths)
     assert out["mean_acceptance_length"] == pytest.approx(np.mean(lengths))

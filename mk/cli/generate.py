@@ -309,6 +309,21 @@ def _timeline(args, res: dict) -> dict:
     return {"timeline": args.clock.as_dict(), "cache": cache}
 
 
+def _record(args, res: dict, prompt, fields: dict) -> dict:
+    """The --json output's "record" (`mk.perf.results.provenance`: commit, date, chip, command), kind
+    "generate_command": what the command measured, keyed by what changes it."""
+    from mk.perf.results import provenance
+    key = {"config": fields.get("config"), "backend": args.backend, "experts": args.experts, "batch": args.batch,
+           "prompt_tokens": len(prompt), "max_new_tokens": args.max_new_tokens, "loop": fields.get("loop"),
+           "prefill": args.prefill, "speculative": args.speculative,
+           "fixed_acceptance_length": args.fixed_acceptance_length, "mesh": fields.get("mesh")}
+    t = fields["timeline"]
+    after = t["total_s"] - t.get("setup_s", 0.0)
+    summary = (f"{res['tokens_per_s']:.1f} tok/s decoding, ttft {res.get('ttft_s', res['prefill_s']):.3f} s; "
+               f"{after:.1f} s after setup (weights {t.get('weights_s', 0):.1f} s, compile {t.get('compile_s', 0):.1f} s)")
+    return provenance("generate_command", key, summary, argv=getattr(args, "argv", None))
+
+
 def _print_result(args, res: dict, prompt, tokenizer, fields: dict, printed: bool = False) -> int:
     """Print the generated rows (and their text), or with --json one object: tokens, prompt,
     timings from `res`, then `fields`, the timeline and the cache (`_timeline`, whose line goes to
@@ -317,8 +332,9 @@ def _print_result(args, res: dict, prompt, tokenizer, fields: dict, printed: boo
     texts = [tokenizer.decode(row) for row in rows] if tokenizer is not None else None
     fields = dict(fields, **_timeline(args, res))
     if args.json:
-        out = {"tokens": rows, "prompt_tokens": prompt, "prefill_s": res["prefill_s"], "decode_s": res["decode_s"],
-               "tokens_per_s": res["tokens_per_s"], **fields}
+        out = {"record": _record(args, res, prompt, fields), "tokens": rows, "prompt_tokens": prompt,
+               "prefill_s": res["prefill_s"], "decode_s": res["decode_s"], "tokens_per_s": res["tokens_per_s"],
+               **fields}
         if texts is not None:
             out["text"] = texts
         print(json.dumps(out))

@@ -67,8 +67,9 @@ def command_line(script: str | None = None, argv: list[str] | None = None) -> st
     return " ".join(["python -m mk" if script is None else f"python3 {script}"] + list(sys.argv[1:] if argv is None else argv))
 
 
-def provenance(kind: str, key: dict, summary: str = "") -> dict:
-    """The "record" of a measurement made now, in this process, on jax's first device."""
+def provenance(kind: str, key: dict, summary: str = "", argv: list[str] | None = None) -> dict:
+    """The "record" of a measurement made now, in this process, on jax's first device; argv: the
+    command's arguments (default sys.argv[1:], `command_line`)."""
     import jax
 
     from mk.kernel.plan import CHIP_OF_DEVICE_KIND, HARDWARE_CHIP
@@ -78,7 +79,7 @@ def provenance(kind: str, key: dict, summary: str = "") -> dict:
     return {"kind": kind, "key": dict(key), "summary": summary, "commit": head, "dirty": dirty,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "chip": chip,
             "device_kind": dev.device_kind, "backend": jax.default_backend(), "jax_version": jax.__version__,
-            "command": command_line()}
+            "command": command_line(argv=argv)}
 
 
 # ---- reading records back ----------------------------------------------------------------------------
