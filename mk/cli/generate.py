@@ -9,7 +9,8 @@ device, and the host reads each chunk while the next one runs. With one row the 
 the terminal as each chunk arrives (the token ids on one line, or with `--prompt` the decoded text);
 `--batch` rows print one line each (ids, then with `--prompt` the text) when all are done. A row
 ends at [EOS] / <|end_of_msg|> (with `--prompt`) or after --max-new-tokens. `--json` prints one
-JSON object instead: tokens (one list per row), prompt_tokens, compile_s (prefill and chunk
+JSON object instead: record (kind generate_command, with commit, date, chip and command, as every
+measurement's: `mk.perf.results`), tokens (one list per row), prompt_tokens, compile_s (prefill and chunk
 programs, before the clock starts), ttft_s (time to first token on the host), prefill_s,
 prefill_tokens_per_s, decode_s, tokens_per_s (decode tokens/s: tokens after each row's first /
 decode_s), chunk, chunks, decode_steps, backend, config, the sampling settings, in_clock (what JAX
