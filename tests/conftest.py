@@ -51,12 +51,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _program_store_of_its_own(monkeypatch, tmp_path):
+def _program_store_of_its_own(request):
     """mk's program store (`mk.model.compile_cache.Program`) keys on mk's source, not on what a test
-    monkeypatches (a planted fault): a command run in-process stores its programs in this test's own
-    folder, so no test loads what another traced. JAX's cache (keyed by the lowered program) is shared."""
-    from mk.model import compile_cache
-    monkeypatch.setattr(compile_cache, "PROGRAMS", str(tmp_path / "mk-programs"))
+    monkeypatches (a planted fault): in a test that monkeypatches, a command run in-process stores its
+    programs in that test's own folder, so it never loads what another test traced, nor leaves a
+    patched program to one. The other tests share the session's (JAX's cache is shared by all)."""
+    if "monkeypatch" in request.fixturenames:
+        from mk.model import compile_cache
+        folder = request.getfixturevalue("tmp_path") / "mk-programs"
+        request.getfixturevalue("monkeypatch").setattr(compile_cache, "PROGRAMS", str(folder))
 
 
 @pytest.fixture(autouse=True)
