@@ -305,6 +305,10 @@ def test_a_second_process_reuses_the_compile_cache(tmp_path):
     assert second["programs"]["weights"]["compiles"] == 0, second["programs"]
     assert second["programs"]["rehearsal"]["compiles"] <= 4, second["programs"]
     assert second["programs"]["rehearsal"]["cache_loads"] == second["programs"]["rehearsal"]["compiles"]
+    # The step, the first token and the chunk come from mk's program store (`Program`), traced by
+    # nothing: the empty caches' program alone is traced (JAX's cache traces before its lookup).
+    assert second["programs"]["rehearsal"]["traces"] <= 1, second["programs"]
+    assert first["cache"]["programs"] == second["cache"]["programs"] == 3
     assert first["cache"]["dir"] == str(tmp_path / "jax") and first["cache"]["entries"] > 0
     assert second["cache"]["entries"] == first["cache"]["entries"]           # nothing new to store
     assert second["compile_s"] < 0.3 * first["compile_s"], (first["compile_s"], second["compile_s"])

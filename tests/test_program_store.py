@@ -1,9 +1,6 @@
 """mk's program store (`mk.model.compile_cache.Program`): executables kept across processes by what they
-are (name, identity, the arguments' kinds, versions and mk's source), loaded without a trace."""
-import os
-import subprocess
-import sys
-
+are (name, identity, the arguments' kinds, versions and mk's source), loaded without a trace. Two
+processes of `mk generate`: tests/test_cli_generate.py::test_a_second_process_reuses_the_compile_cache."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +8,6 @@ import pytest
 
 from mk.model import compile_cache
 from mk.model.compile_cache import Program, counting
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _twice(x, state):
@@ -72,23 +67,3 @@ def test_off_without_the_cache(tmp_path):
 def test_the_fingerprint_holds_versions_and_the_source():
     f = compile_cache.fingerprint()
     assert jax.__version__ in f and compile_cache._source_hash() in f and jax.devices()[0].client.platform_version in f
-
-
-@pytest.mark.slow
-def test_a_second_process_traces_none_of_the_reference_loops_programs(tmp_path):
-    """Two `mk generate` processes (mini, reference): the second loads the step, the first token and the
-    decode chunk from the store and traces only the empty caches' program."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", MK_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-    import json
-    runs = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-m", "mk", "generate", "--config", "mini", "--prompt-tokens", "1,2,3",
-                               "--max-new-tokens", "4", "--chunk", "2", "--json"], capture_output=True, text=True,
-                              env=env, cwd=REPO, timeout=600)
-        assert proc.returncode == 0, proc.stderr
-        runs.append(json.loads(proc.stdout))
-    first, second = runs
-    assert second["tokens"] == first["tokens"] and first["cache"]["programs"] == 3
-    assert second["programs"]["rehearsal"]["traces"] <= 1, second["programs"]      # init_cache alone
-    assert second["cache"]["programs"] == 3                                          # nothing new stored
