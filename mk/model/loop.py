@@ -81,7 +81,7 @@ def _reference_fn(cfg: K3Config):
     """One function object per config, so the jitted chunk and prefill programs are reused across runs
     (and, as a `mk.model.compile_cache.Program`, across processes)."""
     return compile_cache.Program(lambda weights, cache, tokens: ref.decode_step(weights, cache, tokens, cfg=cfg),
-                                 name="reference_step", identity=repr(cfg), donate_argnums=())
+                                 name="reference_step", identity=repr(cfg))
 
 
 def loop_step_of(step_fn, params: dict, cfg: K3Config) -> LoopStep:

@@ -759,8 +759,7 @@ def measure_generate(cfg: K3Config, batches: Sequence[int] = (1, 2, 4, 8), exper
     t0 = time.perf_counter()
     params = params if params is not None else jax.block_until_ready(init_fast(cfg, seed, experts))
     log(f"{name} weights ready ({experts} experts) in {time.perf_counter() - t0:.1f} s")
-    tokens = {B: np.random.default_rng([seed, B]).integers(0, cfg.vocab, (B,)).astype(np.int32)
-              for B in batches}                    # each batch from (seed, B) alone, as `bench_tokens`
+    tokens = {B: t[0] for B, t in bench_tokens(cfg, batches, 1, seed).items()}     # one step's tokens a batch
     plan_kw = {}
     if mxfp4_unpack != "auto":
         import dataclasses
