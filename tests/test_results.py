@@ -33,6 +33,12 @@ def test_newest_record_of_each_measurement_is_current(tmp_path):
     _rec(tmp_path / "d3/gen.json", "generate", {"config": "k3-chip", "chunk": 16}, "2026-12-06T11:00:00", "tok/s")
     recs = results.find_records(tmp_path)
     assert [r["summary"] for _, r in results.headline(recs)] == ["tok/s", "pass"]   # the newest of each kind, in order
+    for d, cfg, date, summary in [("d4", "k3-d48", "2026-12-07T12:00:00", "d48"),
+                                  ("d4", "k3-chip", "2026-12-07T11:00:00", "chip old"),
+                                  ("d5", "k3-chip", "2026-12-07T13:00:00", "chip")]:
+        _rec(tmp_path / d / f"spec-{cfg}.json", "bench_speculative", {"config": cfg}, date, summary)
+    recs = results.find_records(tmp_path)   # the speculative bench: the newest of each config, by name
+    assert [r["summary"] for _, r in results.headline(recs)] == ["tok/s", "pass", "chip", "d48"]
     cmd = [sys.executable, "-m", "mk", "results", "--root", str(tmp_path)]
     block = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "| `k3-chip` | bf16 | not run |" in block and "| check k3-chip B=8 | pass |" in block

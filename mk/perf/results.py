@@ -129,16 +129,23 @@ def _label(rec: dict) -> str:
 
 TUNING_KEYS = ("prefetch_depth", "tile", "mxfp4_unpack", "ctx")   # set by hand: a tuning run (ctx: the positions)
 # The README's rows beside the sweep table (`mk.perf.cases.readme_block`), one line each: the device
-# loop's generation, prefill, `mk check`, the speculative check and the speculative bench. A kind no
-# record has yet is no row.
+# loop's generation, prefill, `mk check`, the speculative check and the speculative bench (one row a
+# config: its speedup depends on the depth). A kind no record has yet is no row.
 HEADLINE_KINDS = ("generate", "prefill", "check", "check_speculative", "bench_speculative")
+HEADLINE_ROW_PER = {"bench_speculative": "config"}
 
 
 def headline(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
-    """The newest record of each of `HEADLINE_KINDS`, in that order: what the README shows beside the
-    sweep table (the bench records are in the table; `mk results --all` lists every measurement)."""
-    newest = {rec["kind"]: (path, rec) for path, rec in records if rec["kind"] in HEADLINE_KINDS}   # by date
-    return [newest[k] for k in HEADLINE_KINDS if k in newest]
+    """The newest record of each of `HEADLINE_KINDS` (of each config, where `HEADLINE_ROW_PER` says so),
+    in that order, configs by name: what the README shows beside the sweep table (the bench records are in
+    the table; `mk results --all` lists every measurement)."""
+    newest = {}
+    for path, rec in records:                                            # by date: the newest wins
+        kind = rec["kind"]
+        if kind in HEADLINE_KINDS:
+            split = HEADLINE_ROW_PER.get(kind)
+            newest[(kind, str(rec["key"].get(split, "")) if split else "")] = (path, rec)
+    return [newest[k] for k in sorted(newest, key=lambda k: (HEADLINE_KINDS.index(k[0]), k[1]))]
 
 
 def results_table(records: list[tuple[Path, dict]], root: str | os.PathLike = REPO) -> str:
