@@ -1,6 +1,9 @@
 """Every command turns a bad path, id or value into one line on stderr and exit code 2: no
-traceback, nothing on stdout, and the message names the culprit. Run as the user runs them
-(`python -m mk ...` in a subprocess); each case fails before any heavy work (a few seconds at most).
+traceback, nothing on stdout, and the message names the culprit. Each case runs the command line's
+own entry point (`mk.__main__.main`, what `python -m mk` calls) in this process, its file
+descriptors captured; a case fails before any heavy work. One case of each command also runs as the
+user runs it, `python -m mk ...` in a subprocess (a fresh interpreter: what the import of each
+command module and the interpreter's exit add).
 
 Also: a CLI run on CPU prints none of libtpu's missing-TPU chatter.
 """
@@ -182,21 +185,41 @@ def _ids(case):
     return " ".join(case[0])[:60] or "(no command)"
 
 
-@pytest.mark.parametrize("argv, message", CASES, ids=[_ids(c) for c in CASES])
-def test_bad_input_is_one_line_exit_2(paths, argv, message):
+def _filled(paths, argv, message):
     def fill(text):
         for key in sorted(paths, key=len, reverse=True):
             text = text.replace(key, paths[key])
         return text
+    return [fill(a) for a in argv], fill(message)
 
-    argv, message = [fill(a) for a in argv], fill(message)
-    proc = run_mk(*argv)
-    err = proc.stderr
+
+def _one_line_exit_2(returncode, out, err, message):
     assert "Traceback" not in err, err
-    assert proc.returncode == 2, (proc.returncode, err)
-    assert proc.stdout == "", proc.stdout
+    assert returncode == 2, (returncode, err)
+    assert out == "", out
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[_ids(c) for c in CASES])
+def test_bad_input_is_one_line_exit_2(paths, argv, message, capfd, monkeypatch):
+    from mk.__main__ import main
+    argv, message = _filled(paths, argv, message)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))   # what `--mesh N` sets, for this case only
+    returncode = main(argv)
+    out, err = capfd.readouterr()
+    _one_line_exit_2(returncode, out, err, message)
+
+
+# The first case of each command (and the bare command line's), as the user runs them.
+AS_RUN = [c for i, c in enumerate(CASES) if all(c[0][:1] != d[0][:1] for d in CASES[:i])]
+
+
+@pytest.mark.parametrize("argv, message", AS_RUN, ids=[_ids(c) for c in AS_RUN])
+def test_bad_input_is_one_line_exit_2_as_run(paths, argv, message):
+    argv, message = _filled(paths, argv, message)
+    proc = run_mk(*argv)
+    _one_line_exit_2(proc.returncode, proc.stdout, proc.stderr, message)
 
 
 def test_logits_checks_ids_before_loading_weights(paths, monkeypatch, capsys):

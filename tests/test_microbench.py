@@ -182,6 +182,7 @@ def test_measure_turns_timings_into_the_constants(monkeypatch, tmp_path):
     monkeypatch.setattr(mb.jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(mb.jax, "devices", lambda: [type("D", (), {"device_kind": "TPU7x"})()])
     monkeypatch.setattr(mb, "per_repeat", fake_per_repeat)
+    monkeypatch.setattr(mb, "STREAM_BYTES", (64 << 20, 128 << 20))   # nothing is timed: no 1 GiB source
     res = mb.measure(trials=1)
     assert res["chip"] == "tpu-v7" and res["peak_bf16_flops"] == peak
     c = res["constants"]
@@ -203,6 +204,7 @@ def test_measure_on_a_v5e_uses_the_v5e_peak(monkeypatch):
 
     monkeypatch.setattr(mb.jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(mb, "per_repeat", fake_per_repeat)
+    monkeypatch.setattr(mb, "STREAM_BYTES", (64 << 20, 128 << 20))   # nothing is timed: no 1 GiB source
     monkeypatch.setattr(mb.jax, "devices", lambda: [type("D", (), {"device_kind": "TPU v5 lite"})()])
     res = mb.measure(trials=1)
     assert res["chip"] == "tpu-v5e" and res["peak_bf16_flops"] == 197e12

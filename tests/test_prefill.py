@@ -132,8 +132,10 @@ def halved_decay(rule):
     return lambda state, q, k, v, g, beta, chunk: rule(state, q, k, v, 0.5 * g, beta, chunk)
 
 
+# make test: each fault at one prompt shape; make test-extended adds the continued prompt's
 @pytest.mark.parametrize("fault, compare", [(dropped_expert, whole_prompt), (halved_decay, ragged_prompt),
-                                            (halved_decay, continued_prompt)], ids=lambda f: f.__name__)
+                                            pytest.param(halved_decay, continued_prompt, marks=pytest.mark.extended)],
+                         ids=lambda f: f.__name__)
 def test_a_planted_fault_fails_the_comparison(setup, fault, compare, monkeypatch):
     """The rule still sees a real bug: each comparison above reports one planted in the prefill."""
     import mk.perf.prefill as module

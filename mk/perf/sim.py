@@ -751,7 +751,7 @@ def mk_plan_for(cfg: K3Config, batch: int, system="tpu-v7x16", context: int = DE
                         prefetch_depth=depth)
             if depth is not None:
                 p.check_vmem()
-            step[key(pick)] = (p, simulate(p, Machine.from_system(s),
+            step[key(pick)] = (p, simulate(p, Machine.from_system(s), record=False,     # its time, no trace
                                            distinct_experts=expert_counts(cfg, batch, p.layout, True)).step_time)
         return step[key(pick)][1]
 
