@@ -59,10 +59,15 @@ lab: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m mk generate --config mini --seed 0 --prompt-tokens 1,2,3 --max-new-tokens 16
 
+# The notebooks nbval hands out first, the longest on CPU (the two workers then end together); the
+# others follow in name order.
+NB_FIRST ?= $(wildcard notebooks/04_throughput_sweep.ipynb notebooks/05_speculative.ipynb notebooks/02_prefetch_tuning.ipynb notebooks/03_profiling.ipynb)
+
 test: $(STAMP) browser
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not extended" tests
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
-	  $(PY) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/; \
+	  $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --nbval-lax --nbval-current-env \
+	    --nbval-sanitize-with notebooks/sanitize.cfg $(NB_FIRST) $(filter-out $(NB_FIRST),$(wildcard notebooks/*.ipynb)); \
 	fi
 
 # More points of the kernel's matrices (batches, meshes, DMA modes, widths) and the benches' kernel pipelines:
